@@ -1,0 +1,104 @@
+"""The routing vocabulary: what a policy is asked (RoutedRequest, ReplicaView) and what it answers (Decision).
+
+The gateway fills these in; policies never import from the gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedRequest:
+    """One request as the router sees it, after parsing and hashing."""
+
+    request_id: str
+    model: str
+    scope: str  # keeps models / LoRA adapters / cache salts apart in the index
+    pool: str
+    prompt_tokens: int  # estimate before routing
+    block_hashes: Sequence[int]  # chained prefix hashes, full blocks only
+    tokens_per_block: float  # converts blocks to (estimated) tokens
+    max_tokens: int | None = None
+    session_key: str | None = None  # stickiness key (header or `user`), when the client sent one
+    priority: str = "interactive"
+    tenant: str = "anonymous"
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """A read-only snapshot of one replica, taken when the request is routed.
+
+    `waiting`, `running` and `kv_usage` come from the last `/metrics` scrape and are None when
+    unknown (never scraped, or the scrape is too old): unknown is not idle. `inflight` and
+    `inflight_prompt_tokens` are the gateway's own counts, fresher than any scrape: every dispatch
+    counts at once.
+    """
+
+    name: str
+    url: str = ""
+    pool: str = ""
+    healthy: bool = True
+    circuit: str = "closed"  # closed | open | half_open
+    draining: bool = False
+    models: frozenset[str] = frozenset()  # empty: serves whatever the pool serves
+    inflight: int = 0
+    inflight_prompt_tokens: int = 0  # uncached prompt tokens sent, not yet prefilled
+    max_inflight: int = 64
+    waiting: int | None = None
+    running: int | None = None
+    kv_usage: float | None = None  # 0..1
+    hit_blocks: int = 0  # leading blocks of this request's chain the index says it holds
+    ttft_ewma_s: float | None = None  # recent observed TTFT
+
+    @property
+    def load(self) -> int:
+        """Requests ahead of a new one: the scraped queue when fresher, else the gateway's count."""
+        scraped = (self.waiting or 0) + (self.running or 0)
+        return max(self.inflight, scraped)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What happened to a routed request; fed back to plugins that learn (e.g. the TTFT scorer)."""
+
+    replica: str
+    prompt_tokens: int
+    predicted_hit_tokens: int
+    load_at_dispatch: int
+    queued_prompt_tokens_at_dispatch: int
+    ttft_s: float | None
+    ok: bool = True
+
+
+@dataclass(slots=True)
+class Decision:
+    """The policy's answer: replicas in order of preference (first is the pick) and why."""
+
+    ranked: list[str]
+    reason: str
+    policy: str
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)  # replica -> scorer -> [0,1]
+    totals: dict[str, float] = field(default_factory=dict)
+    filtered: dict[str, str] = field(default_factory=dict)  # replica -> why it was removed
+    predicted_hit_blocks: int = 0
+
+    @property
+    def replica(self) -> str | None:
+        return self.ranked[0] if self.ranked else None
+
+    def explain(self) -> Mapping[str, object]:
+        return {
+            "policy": self.policy,
+            "reason": self.reason,
+            "ranked": list(self.ranked),
+            "scores": self.scores,
+            "totals": self.totals,
+            "filtered": self.filtered,
+            "predicted_hit_blocks": self.predicted_hit_blocks,
+        }
