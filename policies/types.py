@@ -1,4 +1,4 @@
-"""The routing vocabulary: what a policy is asked (RoutedRequest, ReplicaView) and what it answers (Decision).
+"""The routing vocabulary: what a policy is asked (RoutedRequest, ReplicaView), what it answers.
 
 The gateway fills these in; policies never import from the gateway.
 """
@@ -60,7 +60,8 @@ class ReplicaView:
     def load(self) -> int:
         """Requests ahead of a new one: the scraped queue when fresher, else the gateway's count."""
         scraped = (self.waiting or 0) + (self.running or 0)
-        return max(self.inflight, scraped)
+        inflight = self.inflight
+        return inflight if inflight >= scraped else scraped  # max() without the call: hot path
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,7 @@ class Outcome:
     queued_prompt_tokens_at_dispatch: int
     ttft_s: float | None
     ok: bool = True
+    session_key: str | None = None  # the request's session_key, so affinity follows failover
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
@@ -27,3 +28,23 @@ class PrefixIndex(Protocol):
     async def forget(self, replica: str) -> None: ...
 
     async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    """A snapshot for metrics: what the index holds and what it costs.
+
+    `blocks_per_replica` counts (scope, block) entries per replica; `distinct_blocks` is None
+    where counting it would cost a scan (redis). `bytes_estimate` is the index's own memory
+    (memory backend) or the Redis memory its entries take (redis backend, from the measured
+    bytes per entry). `healthy` is False while the backend is unreachable.
+    """
+
+    backend: str
+    blocks_per_replica: dict[str, int] = field(default_factory=dict)
+    entries: int = 0
+    distinct_blocks: int | None = None
+    bytes_estimate: int = 0
+    healthy: bool = True
+    pending_writes: int = 0
+    dropped_writes: int = 0

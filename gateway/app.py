@@ -1,0 +1,156 @@
+"""`create_app(config)`: the ASGI application, built explicitly from its parts.
+
+The two OpenAI proxy paths are dispatched by a dict lookup in front of Starlette, so the hot path
+carries no framework middleware; everything else (health, metrics, models, admin) is plain Starlette.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .config import Config
+from .errors import GatewayError, MethodNotAllowed, NotFound, error_payload
+from .pipeline import Gateway, ProxyEndpoint, Receive, Scope, Send
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status, headers=headers, media_type="application/json")
+
+
+def _error(exc: GatewayError) -> Response:
+    return _json(error_payload(exc), exc.status, exc.headers())
+
+
+class GatewayApp:
+    """The ASGI callable: proxy paths straight to their endpoint, the rest to Starlette."""
+
+    def __init__(self, gateway: Gateway, rest: Starlette) -> None:
+        self.gateway = gateway
+        self.rest = rest
+        self._proxy = {
+            "/v1/chat/completions": ProxyEndpoint(gateway, "chat"),
+            "/v1/completions": ProxyEndpoint(gateway, "completions"),
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self._proxy.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.rest(scope, receive, send)
+
+
+class _ModelList:
+    """`/v1/models` merged from the replicas, cached for a few seconds."""
+
+    def __init__(self, gateway: Gateway, ttl_s: float = 5.0) -> None:
+        self.gw = gateway
+        self.ttl_s = ttl_s
+        self._at = 0.0
+        self._data: list[dict[str, Any]] = []
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> list[dict[str, Any]]:
+        async with self._lock:
+            if time.monotonic() - self._at > self.ttl_s:
+                self._data = await self._fetch()
+                self._at = time.monotonic()
+            return self._data
+
+    async def _fetch(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        replicas = [r for r in self.gw.all_replicas() if r.available(now)]
+
+        async def one(url: str) -> list[dict[str, Any]]:
+            try:
+                async with self.gw.session.get(
+                    url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
+                ) as resp:
+                    if resp.status != 200:
+                        return []
+                    data = orjson.loads(await resp.read())
+            except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError):
+                return []
+            cards = data.get("data") if isinstance(data, dict) else None
+            return [c for c in cards or [] if isinstance(c, dict) and isinstance(c.get("id"), str)]
+
+        merged: dict[str, dict[str, Any]] = {}
+        for cards in await asyncio.gather(*(one(r.url) for r in replicas)):
+            for card in cards:
+                merged.setdefault(card["id"], card)
+        return [merged[k] for k in sorted(merged)]
+
+
+def create_app(config: Config) -> GatewayApp:
+    gateway = Gateway(config)
+    models = _ModelList(gateway)
+
+    async def health(request: Request) -> Response:
+        return _json({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        now = time.monotonic()
+        pools = {
+            name: sum(1 for r in pool.replicas if r.available(now))
+            for name, pool in gateway.pools.items()
+        }
+        ok = all(n > 0 for n in pools.values())
+        body = {"status": "ready" if ok else "not_ready", "available_replicas": pools}
+        return _json(body, 200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def list_models(request: Request) -> Response:
+        return _json({"object": "list", "data": await models.get()})
+
+    async def decisions(request: Request) -> Response:
+        return _json({"decisions": list(gateway.recent)})
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 405:
+            return _error(
+                MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}")
+            )
+        if exc.status_code == 404:
+            return _error(NotFound(f"Unknown path {request.url.path}", code="unknown_url"))
+        return _error(GatewayError(str(exc.detail)))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    rest = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/debug/decisions", decisions, methods=["GET"]),
+            Route("/v1/chat/completions", health, methods=["POST"]),  # served by GatewayApp
+            Route("/v1/completions", health, methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+    )
+    rest.state.gateway = gateway
+    return GatewayApp(gateway, rest)

@@ -1,0 +1,295 @@
+"""Typed, validated gateway configuration (routes.yaml), checked once at load.
+
+Every error names its key path (`pools.chat.replicas[1].url: not an http(s) URL`); unknown keys are
+errors; `${ENV}` / `${ENV:-default}` in any string is replaced from the environment before checks.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; `problems` holds one `key.path: what is wrong` line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    graceful_shutdown_s: float = Field(30.0, ge=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+    expose_upstream_errors: bool = True
+
+
+class HealthConfig(_Strict):
+    path: str = "/health"
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    failures_to_open: int = Field(3, ge=1)
+    open_s: float = Field(5.0, gt=0)  # how long an open circuit waits before a half-open probe
+
+
+class TimeoutsConfig(_Strict):
+    connect_s: float = Field(2.0, gt=0)
+    first_byte_s: float = Field(60.0, gt=0)
+    idle_s: float = Field(60.0, gt=0)  # longest gap between two streamed chunks
+    total_s: float = Field(600.0, gt=0)
+
+
+class ScrapeConfig(_Strict):
+    enabled: bool = True
+    path: str = "/metrics"
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    stale_after_s: float = Field(5.0, gt=0)  # after this, scraped load counts as unknown
+
+
+class ReplicaConfig(_Strict):
+    url: str
+    name: str | None = None
+    models: tuple[str, ...] = ()
+    capacity_blocks: int | None = Field(None, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("not an http(s) URL")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError("must be scheme://host:port with no path, query or fragment")
+        return v.rstrip("/")
+
+    @property
+    def display_name(self) -> str:
+        if self.name:
+            return self.name
+        parts = urlsplit(self.url)
+        return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+class PoolConfig(_Strict):
+    replicas: tuple[ReplicaConfig, ...] = Field(min_length=1)
+    policy: str | dict[str, Any] = "prefix_aware"
+    max_inflight_per_replica: int = Field(64, ge=1)
+    health: HealthConfig = HealthConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    scrape: ScrapeConfig = ScrapeConfig()
+    retries: int = Field(2, ge=0, le=10)
+    capacity_blocks: int | None = Field(None, ge=1)
+    upstream_api_key: SecretStr | None = None
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _short_form(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [{"url": r} if isinstance(r, str) else r for r in v]
+        return v
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str | dict[str, Any]) -> str | dict[str, Any]:
+        from policies import PolicyConfigError, build_policy
+
+        try:
+            build_policy(v, seed=0)
+        except PolicyConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> PoolConfig:
+        seen: dict[str, int] = {}
+        for i, r in enumerate(self.replicas):
+            if r.display_name in seen:
+                raise ValueError(
+                    f"replicas[{i}]: name {r.display_name!r} repeats replicas[{seen[r.display_name]}]"
+                )
+            seen[r.display_name] = i
+        return self
+
+
+class RouteMatch(_Strict):
+    model: str | None = None  # glob, e.g. "qwen*"
+    min_prompt_tokens: int | None = Field(None, ge=0)
+    max_prompt_tokens: int | None = Field(None, ge=0)
+
+    def matches(self, model: str, prompt_tokens: int) -> bool:
+        if self.model is not None and not fnmatch.fnmatchcase(model, self.model):
+            return False
+        if self.min_prompt_tokens is not None and prompt_tokens < self.min_prompt_tokens:
+            return False
+        return self.max_prompt_tokens is None or prompt_tokens <= self.max_prompt_tokens
+
+
+class RouteConfig(_Strict):
+    match: RouteMatch = RouteMatch()
+    pool: str
+
+
+class ChunkingConfig(_Strict):
+    mode: Literal["bytes", "tokens"] = "bytes"
+    block_bytes: int = Field(64, ge=8)
+    tokenizer: str | None = None
+    block_size: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _tokens_need_tokenizer(self) -> ChunkingConfig:
+        if self.mode == "tokens":
+            if not self.tokenizer:
+                raise ValueError("tokenizer: required when mode is tokens")
+            if not Path(self.tokenizer).is_file():
+                raise ValueError(f"tokenizer: no such file {self.tokenizer!r}")
+        return self
+
+
+class IndexConfig(_Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    chunking: ChunkingConfig = ChunkingConfig()
+    capacity_blocks: int = Field(200_000, ge=1)
+    ttl_s: float | None = Field(600.0, gt=0)
+
+
+class Config(_Strict):
+    server: ServerConfig = ServerConfig()
+    pools: dict[str, PoolConfig] = Field(min_length=1)
+    routes: tuple[RouteConfig, ...] = ()
+    index: IndexConfig = IndexConfig()
+
+    @model_validator(mode="after")
+    def _routes_name_pools(self) -> Config:
+        if not self.routes and len(self.pools) > 1:
+            raise ValueError("routes: required when more than one pool is defined")
+        for i, route in enumerate(self.routes):
+            if route.pool not in self.pools:
+                raise ValueError(
+                    f"routes[{i}].pool: unknown pool {route.pool!r} "
+                    f"(defined: {', '.join(sorted(self.pools))})"
+                )
+        names: dict[str, str] = {}
+        for pool_name, pool in self.pools.items():
+            for r in pool.replicas:
+                if r.display_name in names:
+                    raise ValueError(
+                        f"pools.{pool_name}.replicas: name {r.display_name!r} is also "
+                        f"in pool {names[r.display_name]!r}; replica names are global"
+                    )
+                names[r.display_name] = pool_name
+        return self
+
+    def pool_for(self, model: str, prompt_tokens: int) -> str | None:
+        """The first route whose match fits; the only pool when there are no routes."""
+        if not self.routes:
+            return next(iter(self.pools))
+        for route in self.routes:
+            if route.match.matches(model, prompt_tokens):
+                return route.pool
+        return None
+
+    def redacted(self) -> dict[str, Any]:
+        """The resolved configuration as plain data, secrets masked (for `gateway check`)."""
+        return self.model_dump(mode="json")
+
+
+def _substitute_env(node: Any, path: str) -> Any:
+    if isinstance(node, str):
+
+        def repl(m: re.Match[str]) -> str:
+            value = os.environ.get(m.group(1), m.group(2))
+            if value is None:
+                raise ConfigError(
+                    [f"{path or '<root>'}: environment variable {m.group(1)} is not set"]
+                )
+            return value
+
+        return _ENV.sub(repl, node)
+    if isinstance(node, dict):
+        return {k: _substitute_env(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_substitute_env(v, f"{path}[{i}]") for i, v in enumerate(node)]
+    return node
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after", "function-before", "function-wrap"):
+            continue
+        elif part.startswith(("function-", "tagged-union")) or part in ("str", "dict[str,any]"):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _message(err: Mapping[str, Any]) -> str:
+    kind = err.get("type")
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required"
+    msg = str(err.get("msg", "invalid"))
+    return msg.removeprefix("Value error, ")
+
+
+def parse_config(data: Any) -> Config:
+    """Validate already-loaded YAML data; raises ConfigError listing every problem."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(["<root>: expected a mapping of top-level keys"])
+    data = _substitute_env(data, "")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = _format_loc(tuple(err["loc"]))
+            msg = _message(err)
+            # model-level validators already put their own path at the front of the message
+            problems.append(f"{loc}: {msg}" if loc else msg)
+        raise ConfigError(problems) from None
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read ({exc.strerror})"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML ({exc})"]) from None
+    return parse_config(data)

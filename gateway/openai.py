@@ -1,0 +1,171 @@
+"""Parse and check OpenAI request bodies (chat and completions); pure, no I/O.
+
+The raw bytes are kept and forwarded as they came: the gateway never re-encodes a body it did not
+have to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from .errors import BadRequest
+
+Kind = Literal["chat", "completions"]
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+_MAX_TOKENS_CAP = 10_000_000
+_NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    kind: Kind
+    raw: bytes
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    user: str | None
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return self.body["messages"]  # type: ignore[no-any-return]
+
+    @property
+    def prompt(self) -> Any:
+        return self.body.get("prompt")
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> BadRequest:
+    return BadRequest(message, param=param, code=code)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty array", "messages")
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"'{param}' must be an object", param)
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise _bad(f"'{param}.role' is required and must be a string", f"{param}.role")
+        if role not in _ROLES:
+            raise _bad(
+                f"'{param}.role' must be one of {', '.join(sorted(_ROLES))}; got {role!r}",
+                f"{param}.role",
+            )
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise _bad(
+                f"'{param}.content' must be a string or an array of parts", f"{param}.content"
+            )
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise _bad(
+                        f"'{param}.content[{j}]' must be an object with a string 'type'",
+                        f"{param}.content[{j}]",
+                    )
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return
+        if all(_is_int(p) and p >= 0 for p in prompt):
+            return
+        if all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt):
+            return
+    raise _bad(
+        "'prompt' must be a string, an array of strings, an array of token ids, "
+        "or an array of token-id arrays (non-empty)",
+        "prompt",
+    )
+
+
+def _optional_int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise _bad(f"'{key}' must be an integer", key)
+    if not lo <= v <= hi:
+        raise _bad(f"'{key}' must be between {lo} and {hi}; got {v}", key)
+    return int(v)
+
+
+def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
+    """Check the fields the gateway relies on; the replica checks the rest."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object", code="invalid_json")
+
+    model = body.get("model")
+    if model is None:
+        raise _bad("'model' is required", "model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' must be a non-empty string", "model")
+
+    if kind == "chat":
+        if "messages" not in body:
+            raise _bad("'messages' is required", "messages")
+        _check_messages(body["messages"])
+    else:
+        if "prompt" not in body:
+            raise _bad("'prompt' is required", "prompt")
+        _check_prompt(body["prompt"])
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+        iu = opts.get("include_usage", False)
+        if not isinstance(iu, bool):
+            raise _bad(
+                "'stream_options.include_usage' must be a boolean", "stream_options.include_usage"
+            )
+        include_usage = iu
+
+    max_tokens = _optional_int(body, "max_tokens", 1, _MAX_TOKENS_CAP)
+    mct = _optional_int(body, "max_completion_tokens", 1, _MAX_TOKENS_CAP)
+    if mct is not None:
+        max_tokens = mct
+    _optional_int(body, "n", 1, 128)
+    for key in _NUMBER_FIELDS:
+        v = body.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+            raise _bad(f"'{key}' must be a number", key)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _bad("'user' must be a string", "user")
+
+    return ParsedRequest(
+        kind=kind,
+        raw=raw,
+        body=body,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        user=user,
+    )

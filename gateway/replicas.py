@@ -1,0 +1,229 @@
+"""Replica state the router reads: health and circuit breaker, scraped load, the gateway's own counts.
+
+`ReplicaState.view()` turns it into the policies' read-only `ReplicaView`; `ReplicaMonitor` runs the
+per-replica background probe and scrape loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from policies.types import ReplicaView
+
+from .config import HealthConfig, PoolConfig, ReplicaConfig, ScrapeConfig
+from .scrape import LoadSample, parse_metrics
+
+log = logging.getLogger("gateway.replicas")
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+@dataclass(slots=True)
+class Circuit:
+    """Open after N consecutive failures; half-open after `open_s`; a success closes it."""
+
+    failures_to_open: int
+    open_s: float
+    state: str = CLOSED
+    failures: int = 0
+    opened_at: float = 0.0
+
+    def current(self, now: float) -> str:
+        if self.state == OPEN and now - self.opened_at >= self.open_s:
+            self.state = HALF_OPEN
+        return self.state
+
+    def success(self) -> bool:
+        """Record a success; True when this closed an open/half-open circuit."""
+        changed = self.state != CLOSED
+        self.state, self.failures = CLOSED, 0
+        return changed
+
+    def failure(self, now: float) -> bool:
+        """Record a failure; True when this opened the circuit."""
+        self.failures += 1
+        if self.state == HALF_OPEN or (
+            self.state == CLOSED and self.failures >= self.failures_to_open
+        ):
+            self.state, self.opened_at = OPEN, now
+            return True
+        return False
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    name: str
+    url: str
+    pool: str
+    max_inflight: int
+    circuit: Circuit
+    models: frozenset[str] = frozenset()
+    capacity_blocks: int | None = None
+    stale_after_s: float = 5.0
+    draining: bool = False
+    inflight: int = 0
+    inflight_prompt_tokens: int = 0
+    load: LoadSample | None = None
+    scraped_at: float = 0.0
+    ttft_ewma_s: float | None = None
+    served_models: frozenset[str] = frozenset()  # from the replica's /v1/models
+    on_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, pool_name: str, pool: PoolConfig, rc: ReplicaConfig) -> ReplicaState:
+        return cls(
+            name=rc.display_name,
+            url=rc.url,
+            pool=pool_name,
+            max_inflight=pool.max_inflight_per_replica,
+            circuit=Circuit(pool.health.failures_to_open, pool.health.open_s),
+            models=frozenset(rc.models),
+            capacity_blocks=rc.capacity_blocks or pool.capacity_blocks,
+            stale_after_s=pool.scrape.stale_after_s,
+        )
+
+    # --- what routing reads ---------------------------------------------------------------
+    def available(self, now: float) -> bool:
+        return not self.draining and self.circuit.current(now) != OPEN
+
+    def view(self, hit_blocks: int, now: float) -> ReplicaView:
+        load = (
+            self.load
+            if self.load is not None and now - self.scraped_at <= self.stale_after_s
+            else None
+        )
+        return ReplicaView(
+            name=self.name,
+            url=self.url,
+            pool=self.pool,
+            healthy=self.circuit.current(now) != OPEN,
+            circuit=self.circuit.state,
+            draining=self.draining,
+            models=self.models,
+            inflight=self.inflight,
+            inflight_prompt_tokens=self.inflight_prompt_tokens,
+            max_inflight=self.max_inflight,
+            waiting=None if load is None or load.waiting is None else int(load.waiting),
+            running=None if load is None or load.running is None else int(load.running),
+            kv_usage=None if load is None else load.kv_usage,
+            hit_blocks=hit_blocks,
+            ttft_ewma_s=self.ttft_ewma_s,
+        )
+
+    # --- what the proxy reports ------------------------------------------------------------
+    def dispatched(self, uncached_prompt_tokens: int) -> None:
+        self.inflight += 1
+        self.inflight_prompt_tokens += uncached_prompt_tokens
+
+    def prefilled(self, uncached_prompt_tokens: int) -> None:
+        self.inflight_prompt_tokens = max(0, self.inflight_prompt_tokens - uncached_prompt_tokens)
+
+    def finished(self) -> None:
+        self.inflight = max(0, self.inflight - 1)
+
+    def observe_ttft(self, ttft_s: float) -> None:
+        self.ttft_ewma_s = (
+            ttft_s if self.ttft_ewma_s is None else 0.8 * self.ttft_ewma_s + 0.2 * ttft_s
+        )
+
+    def succeeded(self) -> None:
+        if self.circuit.success():
+            log.info("replica %s: circuit closed", self.name)
+            self._changed()
+
+    def failed(self, why: str) -> None:
+        if self.circuit.failure(time.monotonic()):
+            log.warning("replica %s: circuit opened (%s)", self.name, why)
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
+
+
+class ReplicaMonitor:
+    """Background health probes and `/metrics` scrapes for one replica."""
+
+    def __init__(
+        self,
+        replica: ReplicaState,
+        session: aiohttp.ClientSession,
+        health: HealthConfig,
+        scrape: ScrapeConfig,
+    ) -> None:
+        self.replica = replica
+        self.session = session
+        self.health = health
+        self.scrape = scrape
+        self._tasks: list[asyncio.Task[None]] = []
+        self._scrape_failing = False
+
+    def start(self) -> None:
+        self._tasks.append(
+            asyncio.create_task(self._probe_loop(), name=f"probe:{self.replica.name}")
+        )
+        if self.scrape.enabled:
+            self._tasks.append(
+                asyncio.create_task(self._scrape_loop(), name=f"scrape:{self.replica.name}")
+            )
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def probe_once(self) -> bool:
+        r = self.replica
+        try:
+            async with self.session.get(
+                r.url + self.health.path,
+                timeout=aiohttp.ClientTimeout(total=self.health.timeout_s),
+            ) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            ok = False
+        if ok:
+            r.succeeded()
+        else:
+            r.failed("health probe failed")
+        return ok
+
+    async def scrape_once(self) -> LoadSample | None:
+        r = self.replica
+        try:
+            async with self.session.get(
+                r.url + self.scrape.path,
+                timeout=aiohttp.ClientTimeout(total=self.scrape.timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError) as exc:
+            if not self._scrape_failing:
+                log.warning("replica %s: metrics scrape failing (%s)", r.name, type(exc).__name__)
+                self._scrape_failing = True
+            return None
+        if self._scrape_failing:
+            log.info("replica %s: metrics scrape recovered", r.name)
+            self._scrape_failing = False
+        sample = parse_metrics(text)
+        r.load, r.scraped_at = sample, time.monotonic()
+        return sample
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await self.probe_once()
+            await asyncio.sleep(self.health.interval_s)
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            await self.scrape_once()
+            await asyncio.sleep(self.scrape.interval_s)

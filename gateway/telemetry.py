@@ -1,0 +1,167 @@
+"""Prometheus metrics of the gateway, one registry per app (no globals), with bounded label sets.
+
+Per-replica gauges are read from the live replica state at scrape time, so the hot path pays nothing
+for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .replicas import CLOSED, HALF_OPEN, OPEN, ReplicaState
+
+# LLM latencies span milliseconds (a cached short prompt) to minutes (a long generation)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    20,
+    40,
+    80,
+    160,
+    320,
+    640,
+)
+ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "gateway_requests_total",
+            "Requests answered, by pool, replica that answered (none when no replica did) and HTTP status.",
+            ["pool", "replica", "status"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "gateway_request_duration_seconds",
+            "End-to-end time of a request at the gateway, from first byte in to last byte out.",
+            ["pool"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "gateway_ttft_seconds",
+            "Time to first token seen by the gateway: request in to first response byte relayed.",
+            ["pool", "replica"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.attempts = Counter(
+            "gateway_upstream_attempts_total",
+            "Attempts to reach a replica, by outcome (ok, failover reasons, broken mid-stream).",
+            ["pool", "replica", "outcome"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "gateway_routing_decisions_total",
+            "Routing decisions by pool, policy and the reason the winner won.",
+            ["pool", "policy", "reason"],
+            registry=r,
+        )
+        self.routing_time = Histogram(
+            "gateway_routing_duration_seconds",
+            "Time spent routing one request: hashing, index lookup and scoring.",
+            ["pool"],
+            buckets=ROUTING_BUCKETS,
+            registry=r,
+        )
+        self.prompt_blocks = Counter(
+            "gateway_prompt_blocks_total",
+            "Full prompt blocks hashed for routing.",
+            ["pool"],
+            registry=r,
+        )
+        self.predicted_hit_blocks = Counter(
+            "gateway_predicted_hit_blocks_total",
+            "Prompt blocks the index predicted cached on the chosen replica; divide by "
+            "gateway_prompt_blocks_total for the predicted prefix-hit ratio.",
+            ["pool"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "gateway_errors_total",
+            "Errors returned to clients, by pool (none before a pool was chosen) and error type.",
+            ["pool", "type"],
+            registry=r,
+        )
+
+    def watch_replicas(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
+        self.registry.register(_ReplicaCollector(replicas))
+
+
+class _ReplicaCollector(Collector):
+    def __init__(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
+        self._replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        import time
+
+        now = time.monotonic()
+        labels = ["pool", "replica"]
+        up = GaugeMetricFamily(
+            "gateway_replica_up",
+            "1 when the replica takes traffic (circuit not open).",
+            labels=labels,
+        )
+        circuit = GaugeMetricFamily(
+            "gateway_replica_circuit_state",
+            "Circuit breaker state of the replica: 1 for the current state.",
+            labels=[*labels, "state"],
+        )
+        inflight = GaugeMetricFamily(
+            "gateway_replica_inflight_requests",
+            "Requests the gateway has in flight on the replica.",
+            labels=labels,
+        )
+        pending = GaugeMetricFamily(
+            "gateway_replica_inflight_prompt_tokens",
+            "Uncached prompt tokens sent to the replica and not yet prefilled (gateway's count).",
+            labels=labels,
+        )
+        waiting = GaugeMetricFamily(
+            "gateway_replica_waiting_requests",
+            "Waiting requests scraped from the replica.",
+            labels=labels,
+        )
+        running = GaugeMetricFamily(
+            "gateway_replica_running_requests",
+            "Running requests scraped from the replica.",
+            labels=labels,
+        )
+        kv = GaugeMetricFamily(
+            "gateway_replica_kv_usage_ratio",
+            "KV cache usage (0-1) scraped from the replica.",
+            labels=labels,
+        )
+        for r in self._replicas():
+            lv = [r.pool, r.name]
+            state = r.circuit.current(now)
+            up.add_metric(lv, 0.0 if state == OPEN or r.draining else 1.0)
+            for s in (CLOSED, OPEN, HALF_OPEN):
+                circuit.add_metric([*lv, s], 1.0 if state == s else 0.0)
+            inflight.add_metric(lv, r.inflight)
+            pending.add_metric(lv, r.inflight_prompt_tokens)
+            fresh = r.load is not None and now - r.scraped_at <= r.stale_after_s
+            if fresh and r.load is not None:
+                if r.load.waiting is not None:
+                    waiting.add_metric(lv, r.load.waiting)
+                if r.load.running is not None:
+                    running.add_metric(lv, r.load.running)
+                if r.load.kv_usage is not None:
+                    kv.add_metric(lv, r.load.kv_usage)
+        yield from (up, circuit, inflight, pending, waiting, running, kv)

@@ -1,0 +1,487 @@
+"""OpenTelemetry traces of the gateway: one TracerProvider per gateway, no global tracer state.
+
+The request path records plain timestamps; `RequestTrace.finish` turns them into spans at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider, sampling
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.sdk.version import __version__ as _SDK_VERSION
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+__all__ = [
+    "ATTRIBUTES",
+    "SEGMENTS",
+    "RequestTrace",
+    "Settings",
+    "Tracing",
+    "TracingConfig",
+    "TracingError",
+    "build_exporter",
+    "resolve",
+    "resolve_exporter",
+]
+
+log = logging.getLogger("gateway.tracing")
+
+ExporterName = Literal["none", "console", "otlp_http", "otlp_grpc"]
+Segment = tuple[int, int]
+
+DEFAULT_SERVICE_NAME = "kv-gateway"
+ROOT_SPAN = "gateway.request"
+# the child spans of the root, in the order a request passes through them
+SEGMENTS = ("gateway.queue", "gateway.route", "upstream.prefill", "upstream.decode")
+
+# keyword of RequestTrace.set / key of finish(attrs=...) → span attribute name
+ATTRIBUTES: dict[str, str] = {
+    "tenant": "gateway.tenant",
+    "priority": "gateway.priority",
+    "model": "gen_ai.request.model",
+    "pool": "gateway.pool",
+    "replica": "gateway.replica",
+    "policy": "gateway.policy",
+    "route_reason": "gateway.route.reason",
+    "input_tokens": "gen_ai.usage.input_tokens",
+    "prompt_tokens_estimated": "gateway.prompt_tokens.estimated",
+    "predicted_cached_blocks": "gateway.prefix.predicted_cached_blocks",
+    "prompt_blocks": "gateway.prefix.prompt_blocks",
+    "output_tokens": "gen_ai.usage.output_tokens",
+    "ttft_s": "gateway.ttft_s",
+    "tpot_s": "gateway.tpot_s",
+    "retries": "gateway.retries",
+    "replicas_tried": "gateway.replicas_tried",
+    "outcome": "gateway.outcome",
+    "error_type": "error.type",
+    "status_code": "http.response.status_code",
+}
+_TTFT, _TPOT = ATTRIBUTES["ttft_s"], ATTRIBUTES["tpot_s"]
+_OUTPUT, _OUTCOME = ATTRIBUTES["output_tokens"], ATTRIBUTES["outcome"]
+_STATUS, _ERROR_TYPE = ATTRIBUTES["status_code"], ATTRIBUTES["error_type"]
+
+_HTTP_PATH = "/v1/traces"
+_DEFAULT_HTTP = "http://localhost:4318"
+_DEFAULT_GRPC = "http://localhost:4317"
+_EXTRAS = {
+    "otlp_http": ("opentelemetry-exporter-otlp-proto-http", "kvgateway"),
+    "otlp_grpc": ("opentelemetry-exporter-otlp-proto-grpc", "kvgateway[otlp-grpc]"),
+}
+
+
+class TracingError(ValueError):
+    """Tracing settings (config or OTEL_* environment) are invalid, or need a package not installed."""
+
+
+class TracingConfig(BaseModel):
+    """The `tracing:` section; every unset key falls back to the standard OTEL_* variable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    exporter: ExporterName | None = None
+    endpoint: str | None = None
+    headers: dict[str, SecretStr] = Field(default_factory=dict)
+    sampling_ratio: float | None = Field(default=None, ge=0, le=1)
+    service_name: str | None = Field(default=None, min_length=1)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None:
+            parts = urlsplit(v)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"not an http(s) URL: {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _otlp_only(self) -> TracingConfig:
+        if self.exporter in ("none", "console") and (self.endpoint or self.headers):
+            raise ValueError(
+                f"endpoint and headers apply only to the otlp exporters, not to '{self.exporter}'"
+            )
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the config and the environment resolve to; `endpoint` is where spans are sent."""
+
+    exporter: ExporterName
+    endpoint: str | None
+    headers: dict[str, str]
+    sampler: sampling.Sampler
+    service_name: str
+    resource: dict[str, str]
+
+
+def resolve(config: TracingConfig | None, environ: Mapping[str, str]) -> Settings:
+    """Config values first, then the standard OTEL_* variables of `environ`, then defaults."""
+    cfg = config if config is not None else TracingConfig()
+    name = _exporter_name(cfg, environ)
+    resource = _parse_pairs(environ.get("OTEL_RESOURCE_ATTRIBUTES", ""), "OTEL_RESOURCE_ATTRIBUTES")
+    service = (
+        cfg.service_name
+        or environ.get("OTEL_SERVICE_NAME", "").strip()
+        or resource.get("service.name")
+        or DEFAULT_SERVICE_NAME
+    )
+    headers: dict[str, str] = {}
+    if name in ("otlp_http", "otlp_grpc"):
+        var = "OTEL_EXPORTER_OTLP_TRACES_HEADERS"
+        if not environ.get(var):
+            var = "OTEL_EXPORTER_OTLP_HEADERS"
+        raw = _parse_pairs(environ.get(var, ""), var)
+        headers = {k.lower(): v for k, v in raw.items()}
+        headers.update((k.lower(), v.get_secret_value()) for k, v in cfg.headers.items())
+    return Settings(
+        exporter=name,
+        endpoint=_endpoint(name, cfg, environ),
+        headers=headers,
+        sampler=_sampler(cfg, environ),
+        service_name=service,
+        resource=resource,
+    )
+
+
+def build_exporter(settings: Settings) -> SpanExporter | None:
+    """The exporter the settings name; None for `none`. The OTLP packages are imported lazily."""
+    if settings.exporter == "none":
+        return None
+    if settings.exporter == "console":
+        return ConsoleSpanExporter(service_name=settings.service_name)
+    try:
+        if settings.exporter == "otlp_http":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter as HttpExporter,
+            )
+
+            return HttpExporter(endpoint=settings.endpoint, headers=settings.headers)
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        return GrpcExporter(endpoint=settings.endpoint, headers=settings.headers)
+    except ImportError as exc:
+        package, extra = _EXTRAS[settings.exporter]
+        raise TracingError(
+            f"tracing exporter '{settings.exporter}' needs {package}: pip install '{extra}'"
+        ) from exc
+
+
+def resolve_exporter(
+    config: TracingConfig | None, environ: Mapping[str, str]
+) -> SpanExporter | None:
+    return build_exporter(resolve(config, environ))
+
+
+class Tracing:
+    """One gateway's tracer: its own TracerProvider, sampler, resource and exporter.
+
+    `exporter=` (tests) overrides the configured one and is flushed synchronously; a configured
+    exporter runs behind a BatchSpanProcessor, so exporting never blocks a request.
+    """
+
+    def __init__(
+        self,
+        config: TracingConfig | None = None,
+        *,
+        exporter: SpanExporter | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.settings = resolve(config, os.environ if environ is None else environ)
+        processor: SpanProcessor | None = None
+        if exporter is not None:
+            processor = SimpleSpanProcessor(exporter)
+        elif (built := build_exporter(self.settings)) is not None:
+            processor = BatchSpanProcessor(built)
+        self.enabled = processor is not None
+        self._provider: TracerProvider | None = None
+        self._tracer: Tracer | None = None
+        self._propagator = TraceContextTextMapPropagator()
+        if processor is not None:
+            self._provider = TracerProvider(
+                sampler=self.settings.sampler,
+                resource=_resource(self.settings),
+                shutdown_on_exit=False,  # the gateway's lifespan calls shutdown(); no atexit hooks
+            )
+            self._provider.add_span_processor(processor)
+            self._tracer = self._provider.get_tracer("gateway", _version())
+
+    def start(self, headers: Mapping[bytes, bytes], start_ns: int) -> RequestTrace | None:
+        """Open the root span at `start_ns` (epoch ns), continuing an incoming W3C traceparent."""
+        tracer = self._tracer
+        if tracer is None:
+            return None
+        ctx = Context()  # never parent on whatever span happens to be current
+        if b"traceparent" in headers:
+            ctx = self._propagator.extract(headers, ctx, getter=_BYTES_GETTER)
+        span = tracer.start_span(ROOT_SPAN, ctx, SpanKind.SERVER, start_time=start_ns)
+        return RequestTrace(tracer, span, start_ns)
+
+    def shutdown(self) -> None:
+        """Flush pending spans and stop the export thread (blocks up to the exporter's timeout)."""
+        provider, self._provider, self._tracer = self._provider, None, None
+        self.enabled = False
+        if provider is not None:
+            provider.shutdown()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+
+class RequestTrace:
+    """One request's root span; segments become child spans only in `finish`."""
+
+    __slots__ = ("_tracer", "_span", "_recording", "_offset", "_done", "start_ns")
+
+    def __init__(self, tracer: Tracer, span: Span, start_ns: int) -> None:
+        self._tracer = tracer
+        self._span = span
+        self._recording = span.is_recording()
+        self._offset = time.time_ns() - time.perf_counter_ns()
+        self._done = False
+        self.start_ns = start_ns
+
+    @property
+    def trace_id(self) -> str:
+        return f"{self._span.get_span_context().trace_id:032x}"
+
+    @property
+    def sampled(self) -> bool:
+        return self._recording
+
+    def traceparent(self) -> str:
+        """The W3C header for the upstream request; its parent is the root span."""
+        sc = self._span.get_span_context()
+        return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"
+
+    def tracestate(self) -> str | None:
+        """The incoming tracestate to forward upstream, or None."""
+        ts = self._span.get_span_context().trace_state
+        return ts.to_header() if ts else None
+
+    def epoch_ns(self, perf_counter_ns: int) -> int:
+        """A `time.perf_counter_ns()` reading as epoch ns, on the clock offset taken at start."""
+        return perf_counter_ns + self._offset
+
+    def set(self, attrs: Mapping[str, Any] | None = None, /, **kw: Any) -> None:
+        """Root attributes: keywords are ATTRIBUTES keys; the mapping may also use dotted names."""
+        if not self._recording:
+            return
+        values = _names(attrs) if attrs else {}
+        if kw:
+            values.update(_names(kw))
+        if values:
+            self._span.set_attributes(values)
+
+    def finish(
+        self,
+        *,
+        queue: Segment | None = None,
+        route: Segment | None = None,
+        prefill: Segment | None = None,
+        decode: Segment | None = None,
+        end_ns: int,
+        attrs: Mapping[str, Any] | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        """Create the given segments (epoch ns) as children, in order, then end the root.
+
+        A segment that starts before the previous one ended is moved up to that end, so the
+        segments never overlap; `gateway.ttft_s` and `gateway.tpot_s` are derived when not given.
+        """
+        if self._done:
+            return
+        self._done = True
+        span = self._span
+        if not self._recording:
+            span.end(end_time=end_ns)
+            return
+        values = _names(attrs) if attrs else {}
+        tracer = self._tracer
+        parent = trace.set_span_in_context(span, Context())
+        prev = self.start_ns
+        for name, seg in zip(SEGMENTS, (queue, route, prefill, decode), strict=True):
+            if seg is None:
+                continue
+            s = max(seg[0], prev)
+            prev = max(seg[1], s)
+            tracer.start_span(name, parent, start_time=s).end(end_time=prev)
+        if prefill is not None and _TTFT not in values:
+            values[_TTFT] = (max(prefill[1], self.start_ns) - self.start_ns) / 1e9
+        out = values.get(_OUTPUT)
+        if decode is not None and _TPOT not in values and isinstance(out, int) and out > 1:
+            values[_TPOT] = max(decode[1] - decode[0], 0) / 1e9 / (out - 1)
+        status = values.get(_STATUS)
+        # HTTP semantic conventions: a 5xx is an error of a server span, error.type its code
+        if error_type is None and isinstance(status, int) and status >= 500:
+            error_type = str(status)
+        if error_type is not None:
+            values[_ERROR_TYPE] = error_type
+            values.setdefault(_OUTCOME, "error")
+            span.set_status(Status(StatusCode.ERROR, error_type))
+        else:
+            values.setdefault(_OUTCOME, "ok")
+        span.set_attributes(values)
+        span.end(end_time=max(end_ns, prev))
+
+
+# --- resolution helpers ------------------------------------------------------------------------
+
+
+def _exporter_name(cfg: TracingConfig, env: Mapping[str, str]) -> ExporterName:
+    if cfg.exporter is not None:
+        return cfg.exporter
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return "none"
+    raw = env.get("OTEL_TRACES_EXPORTER", "").strip().lower() or "none"
+    if raw in ("none", "console"):
+        return raw  # type: ignore[return-value]
+    if raw == "otlp":
+        var = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+        if not env.get(var):
+            var = "OTEL_EXPORTER_OTLP_PROTOCOL"
+        protocol = env.get(var, "").strip().lower() or "http/protobuf"
+        if protocol == "http/protobuf":
+            return "otlp_http"
+        if protocol == "grpc":
+            return "otlp_grpc"
+        raise TracingError(f"{var}={protocol!r}: supported are 'http/protobuf' and 'grpc'")
+    raise TracingError(
+        f"OTEL_TRACES_EXPORTER={raw!r}: supported are one of 'otlp', 'console', 'none'"
+    )
+
+
+def _endpoint(name: ExporterName, cfg: TracingConfig, env: Mapping[str, str]) -> str | None:
+    if name == "otlp_http":
+        if cfg.endpoint:
+            # a bare base URL gets the traces path; a URL with a path is used as written
+            path = urlsplit(cfg.endpoint).path
+            return cfg.endpoint.rstrip("/") + _HTTP_PATH if path in ("", "/") else cfg.endpoint
+        if url := env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip():
+            return url
+        base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or _DEFAULT_HTTP
+        return base.rstrip("/") + _HTTP_PATH
+    if name == "otlp_grpc":
+        return (
+            cfg.endpoint
+            or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+            or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+            or _DEFAULT_GRPC
+        )
+    return None
+
+
+def _sampler(cfg: TracingConfig, env: Mapping[str, str]) -> sampling.Sampler:
+    if cfg.sampling_ratio is not None:
+        return sampling.ParentBased(sampling.TraceIdRatioBased(cfg.sampling_ratio))
+    name = env.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
+    if name == "always_on":
+        return sampling.ALWAYS_ON
+    if name == "always_off":
+        return sampling.ALWAYS_OFF
+    if name == "parentbased_always_on":
+        return sampling.ParentBased(sampling.ALWAYS_ON)
+    if name == "parentbased_always_off":
+        return sampling.ParentBased(sampling.ALWAYS_OFF)
+    if name in ("traceidratio", "parentbased_traceidratio"):
+        ratio = _ratio(env.get("OTEL_TRACES_SAMPLER_ARG", ""))
+        root = sampling.TraceIdRatioBased(ratio)
+        return root if name == "traceidratio" else sampling.ParentBased(root)
+    raise TracingError(
+        f"OTEL_TRACES_SAMPLER={name!r}: supported are always_on, always_off, traceidratio, "
+        "parentbased_always_on, parentbased_always_off, parentbased_traceidratio"
+    )
+
+
+def _ratio(raw: str) -> float:
+    if not raw.strip():
+        return 1.0
+    try:
+        ratio = float(raw)
+    except ValueError:
+        ratio = -1.0
+    if not 0.0 <= ratio <= 1.0:
+        raise TracingError(f"OTEL_TRACES_SAMPLER_ARG={raw!r}: not a ratio in [0, 1]")
+    return ratio
+
+
+def _parse_pairs(raw: str, var: str) -> dict[str, str]:
+    """`k1=v1,k2=v2` with percent-encoded values, as the OTEL_* list variables are written."""
+    out: dict[str, str] = {}
+    for item in raw.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise TracingError(f"{var}: {item.strip()!r} is not key=value")
+        out[unquote(key).strip()] = unquote(value).strip()
+    return out
+
+
+def _resource(settings: Settings) -> Resource:
+    attrs: dict[str, str] = {
+        "telemetry.sdk.language": "python",
+        "telemetry.sdk.name": "opentelemetry",
+        "telemetry.sdk.version": _SDK_VERSION,
+        **settings.resource,
+        "service.name": settings.service_name,
+    }
+    if version := _version():
+        attrs.setdefault("service.version", version)
+    return Resource(attrs)
+
+
+def _version() -> str | None:
+    try:
+        return importlib.metadata.version("kvgateway")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _names(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in attrs.items():
+        if value is None:
+            continue
+        name = ATTRIBUTES.get(key)
+        if name is None:
+            if "." not in key:
+                raise TypeError(f"unknown trace attribute {key!r}; known: {', '.join(ATTRIBUTES)}")
+            name = key
+        out[name] = value
+    return out
+
+
+class _BytesGetter(Getter[Mapping[bytes, bytes]]):
+    """Reads propagation headers from the raw ASGI header dict (lowercased bytes keys)."""
+
+    def get(self, carrier: Mapping[bytes, bytes], key: str) -> list[str] | None:
+        value = carrier.get(key.encode("latin-1"))
+        return None if value is None else [value.decode("latin-1")]
+
+    def keys(self, carrier: Mapping[bytes, bytes]) -> list[str]:
+        return [k.decode("latin-1") for k in carrier]
+
+
+_BYTES_GETTER = _BytesGetter()

@@ -1,0 +1,180 @@
+"""The three plugin interfaces (Filter, Scorer, Picker) and the engine that composes them (Policy).
+
+The score contract, stated once: a Scorer returns a number in [0, 1] per replica name, higher is
+better, and never sees its weight. The engine clamps every score to [0, 1] (NaN and missing names
+count 0), multiplies by the scorer's weight, sums, and hands the totals to the Picker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from policies.types import Decision, Outcome, ReplicaView, RoutedRequest
+
+# Reasons a Decision can carry. A Picker that ranks by the weighted totals answers BY_SCORE and
+# the engine replaces it with the `reason` of the scorer that contributed most to the winner's
+# lead over the runner-up ("prefix", "load", "ttft", "session", "cost").
+BY_SCORE = "score"
+TIE = "tie"
+GUARD = "guard"
+ONLY_CANDIDATE = "only_candidate"
+NO_CANDIDATES = "no_candidates"
+
+
+@runtime_checkable
+class Filter(Protocol):
+    """Removes replicas that must not get this request."""
+
+    name: str
+
+    def keep(self, req: RoutedRequest, view: ReplicaView) -> str | None:
+        """None to keep the replica, else a short reason it is removed."""
+        ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Judges each candidate in [0, 1], higher is better. May omit names (they score 0)."""
+
+    name: str
+
+    def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class Picker(Protocol):
+    """Orders the candidates, best first, and says why the first one won."""
+
+    name: str
+
+    def pick(
+        self, req: RoutedRequest, views: Sequence[ReplicaView], totals: dict[str, float]
+    ) -> tuple[list[str], str]: ...
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """Any plugin that learns from what happened to routed requests."""
+
+    def observe(self, outcome: Outcome) -> None: ...
+
+
+class Policy:
+    """Filters, then weighted scorers, then a picker: one routing decision per `choose` call.
+
+    `scorers` pairs each scorer with its weight (finite, >= 0). A zero-weight scorer is not asked
+    to score (it costs nothing) but still observes outcomes, so a learner can warm up in shadow.
+    """
+
+    __slots__ = ("name", "filters", "scorers", "picker", "_active", "_learners")
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        picker: Picker,
+        filters: Sequence[Filter] = (),
+        scorers: Sequence[tuple[Scorer, float]] = (),
+    ) -> None:
+        seen: set[str] = set()
+        for scorer, weight in scorers:
+            if isinstance(weight, bool) or not isinstance(weight, int | float):
+                raise TypeError(f"weight of scorer {scorer.name!r} must be a number")
+            if not math.isfinite(weight) or weight < 0:
+                raise ValueError(f"weight of scorer {scorer.name!r} must be finite and >= 0")
+            if scorer.name in seen:
+                raise ValueError(f"two scorers are named {scorer.name!r}")
+            seen.add(scorer.name)
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple((s, float(w)) for s, w in scorers)
+        self.picker = picker
+        self._active = tuple(
+            (s.name, s, w, getattr(s, "reason", s.name)) for s, w in self.scorers if w > 0
+        )
+        plugins: list[object] = [*self.filters, *(s for s, _ in self.scorers), picker]
+        self._learners = tuple(p for p in plugins if callable(getattr(p, "observe", None)))
+
+    def __repr__(self) -> str:
+        weights = ", ".join(f"{s.name}={w:g}" for s, w in self.scorers)
+        return f"Policy({self.name!r}, scorers=[{weights}], picker={self.picker.name!r})"
+
+    def choose(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> Decision:
+        """Rank every replica that survives the filters; explain the rest."""
+        filtered: dict[str, str] = {}
+        if self.filters:
+            survivors: list[ReplicaView] = []
+            for view in views:
+                for f in self.filters:
+                    why = f.keep(req, view)
+                    if why is not None:
+                        filtered[view.name] = why
+                        break
+                else:
+                    survivors.append(view)
+        else:
+            survivors = list(views)
+
+        if len(survivors) <= 1:
+            if not survivors:
+                return Decision([], NO_CANDIDATES, self.name, filtered=filtered)
+            only = survivors[0]
+            return Decision(
+                [only.name],
+                ONLY_CANDIDATE,
+                self.name,
+                filtered=filtered,
+                predicted_hit_blocks=only.hit_blocks,
+            )
+
+        names = [v.name for v in survivors]
+        totals = dict.fromkeys(names, 0.0)
+        scores: dict[str, dict[str, float]] = {n: {} for n in names}
+        for sname, scorer, weight, _ in self._active:
+            get = scorer.score(req, survivors).get
+            for n in names:
+                s = get(n, 0.0)
+                if not 0.0 <= s <= 1.0:  # also catches NaN
+                    s = 1.0 if s > 1.0 else 0.0  # NaN and negatives count 0
+                scores[n][sname] = s
+                totals[n] += weight * s
+
+        ranked, reason = self.picker.pick(req, survivors, totals)
+        if reason == BY_SCORE:
+            reason = self._deciding_scorer(ranked, totals, scores)
+        winner = ranked[0] if ranked else None
+        hit = 0
+        for v in survivors:
+            if v.name == winner:
+                hit = v.hit_blocks
+                break
+        return Decision(
+            ranked,
+            reason,
+            self.name,
+            scores=scores if self._active else {},
+            totals=totals if self._active else {},
+            filtered=filtered,
+            predicted_hit_blocks=hit,
+        )
+
+    def _deciding_scorer(
+        self, ranked: list[str], totals: dict[str, float], scores: dict[str, dict[str, float]]
+    ) -> str:
+        """The reason of the scorer whose weighted score put the winner ahead of the runner-up."""
+        if len(ranked) < 2 or totals[ranked[0]] <= totals[ranked[1]]:
+            return TIE
+        win, second = scores[ranked[0]], scores[ranked[1]]
+        best_reason, best_gap = TIE, 0.0
+        for sname, _, weight, reason in self._active:
+            gap = weight * (win[sname] - second[sname])
+            if gap > best_gap:
+                best_reason, best_gap = reason, gap
+        return best_reason
+
+    def observe(self, outcome: Outcome) -> None:
+        """Feed what happened to a routed request to every plugin that learns."""
+        for plugin in self._learners:
+            plugin.observe(outcome)  # type: ignore[attr-defined]

@@ -1,0 +1,138 @@
+"""TTFT scorer: the replica expected to produce the first token soonest, learned per replica.
+
+    uncached = max(0, prompt_tokens - hit_blocks * tokens_per_block)
+    queued   = inflight_prompt_tokens        (uncached tokens the gateway sent, not yet prefilled)
+    ttft     = a + b * uncached + c * queued                               (seconds)
+    score    = min_ttft / ttft               (1.0 for the fastest candidate)
+
+a, b, c are fitted per replica from Outcomes by exponentially weighted ridge least squares,
+pulled toward the prior a = base_s, b = c = 1 / prefill_tokens_per_s. Before any observation the
+prior alone predicts; `prior_weight` is how many observations the prior is worth; `decay` forgets
+old observations so the fit follows a replica whose speed changes.
+
+    scorers:
+      ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from policies.types import Outcome, ReplicaView, RoutedRequest
+
+_KTOK = 1000.0  # the fit works in thousands of tokens, so the three features have similar scale
+_FLOOR_S = 1e-4  # a predicted TTFT never reaches 0, so scores stay finite
+_MAX_REPLICAS = 4096  # bound on per-replica state if replica names churn
+
+
+class _Fit:
+    """Decayed sums X'X (upper triangle) and X'y for features (1, uncached_k, queued_k)."""
+
+    __slots__ = ("xx", "xy", "n")
+
+    def __init__(self) -> None:
+        self.xx = [0.0] * 6  # 00 01 02 11 12 22
+        self.xy = [0.0] * 3
+        self.n = 0
+
+    def add(self, u: float, q: float, y: float, decay: float) -> None:
+        xx, xy = self.xx, self.xy
+        for i, term in enumerate((1.0, u, q, u * u, u * q, q * q)):
+            xx[i] = decay * xx[i] + term
+        for i, term in enumerate((y, u * y, q * y)):
+            xy[i] = decay * xy[i] + term
+        self.n += 1
+
+
+def _solve3(m: list[float], v: list[float]) -> tuple[float, float, float] | None:
+    """Solve the symmetric 3x3 system m x = v (m as upper triangle 00 01 02 11 12 22)."""
+    a, b, c, d, e, f = m
+    # cofactors of the symmetric matrix [[a b c] [b d e] [c e f]]
+    c00, c01, c02 = d * f - e * e, c * e - b * f, b * e - c * d
+    det = a * c00 + b * c01 + c * c02
+    if abs(det) < 1e-12:
+        return None
+    c11, c12, c22 = a * f - c * c, b * c - a * e, a * d - b * b
+    x0 = (c00 * v[0] + c01 * v[1] + c02 * v[2]) / det
+    x1 = (c01 * v[0] + c11 * v[1] + c12 * v[2]) / det
+    x2 = (c02 * v[0] + c12 * v[1] + c22 * v[2]) / det
+    return x0, x1, x2
+
+
+class TTFTScorer:
+    name = "ttft"
+    reason = "ttft"
+
+    def __init__(
+        self,
+        *,
+        prefill_tokens_per_s: float = 8000.0,
+        base_s: float = 0.05,
+        prior_weight: float = 4.0,
+        decay: float = 0.99,
+    ) -> None:
+        if not prefill_tokens_per_s > 0:
+            raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s!r}")
+        if not base_s >= 0:
+            raise ValueError(f"base_s must be >= 0, got {base_s!r}")
+        if not prior_weight > 0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        per_token = 1.0 / prefill_tokens_per_s
+        self._prior_k = (float(base_s), per_token * _KTOK, per_token * _KTOK)  # per 1k tokens
+        self.prior = (float(base_s), per_token, per_token)  # a [s], b [s/token], c [s/token]
+        self._prior_weight = float(prior_weight)
+        self._decay = float(decay)
+        self._coef: dict[str, tuple[float, float, float]] = {}
+        self._fits: dict[str, _Fit] = {}
+
+    def coefficients(self, replica: str) -> tuple[float, float, float]:
+        """(a seconds, b seconds per uncached token, c seconds per queued token) for a replica."""
+        return self._coef.get(replica, self.prior)
+
+    def predict(self, req: RoutedRequest, view: ReplicaView) -> float:
+        """Predicted TTFT in seconds if `req` went to `view`."""
+        a, b, c = self._coef.get(view.name, self.prior)
+        uncached = max(0.0, req.prompt_tokens - view.hit_blocks * req.tokens_per_block)
+        return max(_FLOOR_S, a + b * uncached + c * view.inflight_prompt_tokens)
+
+    def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:
+        coef, prior = self._coef, self.prior
+        prompt, tpb = req.prompt_tokens, req.tokens_per_block
+        pred: dict[str, float] = {}
+        for v in views:
+            a, b, c = coef.get(v.name, prior)
+            uncached = prompt - v.hit_blocks * tpb
+            t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
+            pred[v.name] = t if t > _FLOOR_S else _FLOOR_S
+        best = min(pred.values(), default=_FLOOR_S)
+        return {name: best / t for name, t in pred.items()}
+
+    def observe(self, outcome: Outcome) -> None:
+        y = outcome.ttft_s
+        if not outcome.ok or y is None or not 0 <= y < float("inf"):
+            return
+        fit = self._fits.get(outcome.replica)
+        if fit is None:
+            if len(self._fits) >= _MAX_REPLICAS:
+                oldest = next(iter(self._fits))
+                del self._fits[oldest]
+                self._coef.pop(oldest, None)
+            fit = self._fits[outcome.replica] = _Fit()
+        u = max(0, outcome.prompt_tokens - outcome.predicted_hit_tokens) / _KTOK
+        q = max(0, outcome.queued_prompt_tokens_at_dispatch) / _KTOK
+        fit.add(u, q, y, self._decay)
+        self._coef[outcome.replica] = self._solve(fit)
+
+    def _solve(self, fit: _Fit) -> tuple[float, float, float]:
+        # ridge toward the prior: (X'X + w I) theta = X'y + w theta0
+        w, p = self._prior_weight, self._prior_k
+        m = list(fit.xx)
+        m[0] += w
+        m[3] += w
+        m[5] += w
+        v = [fit.xy[0] + w * p[0], fit.xy[1] + w * p[1], fit.xy[2] + w * p[2]]
+        theta = _solve3(m, v) or p
+        a, b, c = (max(0.0, x) for x in theta)
+        return a, b / _KTOK, c / _KTOK

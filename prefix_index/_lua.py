@@ -1,0 +1,208 @@
+"""Lua scripts of the Redis backend: match (binary search, one call), record, evict, forget.
+
+Each script touches the keys of one scope only (one hash tag, one Cluster slot); key names are
+built from ARGV[1], the scope's key prefix, which shares the hash tag of KEYS[1].
+"""
+
+from __future__ import annotations
+
+# Chains arrive as one string of 8-byte big-endian hashes; block i is sub(blob, 8i+1, 8i+8).
+# A field's value is its expiry in ms (client clock); "0" means no TTL.
+
+# ARGV: prefix, now_ms, blob, replica... -> "d1,d2,...": per replica, the leading blocks it
+# holds (one bulk string: cheaper to send and to parse than an array of integers).
+# What a replica holds is prefix-closed (records write whole chains from block 0, LRU and TTL
+# take leaves first), except where `evict` cut a chain: those cuts are kept as "holes", and a
+# replica listed in `holey` gets its answer clipped at the first live hole of the chain.
+MATCH = r"""#!lua flags=no-writes
+local pre = ARGV[1]
+local now = tonumber(ARGV[2])
+local blob = ARGV[3]
+local n = math.floor(#blob / 8)
+local nrep = #ARGV - 3
+local out = {}
+for i = 1, nrep do out[i] = 0 end
+if n == 0 or nrep == 0 then return table.concat(out, ',') end
+
+-- Splits a group of replica indexes by whether each holds (a live entry of) block `pos`.
+-- HMGET scans a small hash once per name, so a large group reads the whole hash instead.
+local function split(pos, group)
+  local key = pre .. 'b' .. string.sub(blob, pos * 8 + 1, pos * 8 + 8)
+  local yes, no = {}, {}
+  if #group <= 8 then
+    local names = {}
+    for k = 1, #group do names[k] = ARGV[group[k] + 3] end
+    local vals = redis.call('HMGET', key, unpack(names))
+    for k = 1, #group do
+      local v = vals[k]
+      if v and (v == '0' or tonumber(v) > now) then yes[#yes + 1] = group[k]
+      else no[#no + 1] = group[k] end
+    end
+  else
+    local flat = redis.call('HGETALL', key)
+    local live = {}
+    for k = 1, #flat, 2 do
+      local v = flat[k + 1]
+      if v == '0' or tonumber(v) > now then live[flat[k]] = true end
+    end
+    for k = 1, #group do
+      if live[ARGV[group[k] + 3]] then yes[#yes + 1] = group[k]
+      else no[#no + 1] = group[k] end
+    end
+  end
+  return yes, no
+end
+
+local all = {}
+for i = 1, nrep do all[i] = i end
+local stack = {}
+local held = split(0, all)
+if #held > 0 then
+  if n == 1 then
+    for k = 1, #held do out[held[k]] = 1 end
+  else
+    local full, part = split(n - 1, held)
+    for k = 1, #full do out[full[k]] = n end
+    if #part > 0 then stack[1] = {1, n - 1, part} end
+  end
+end
+-- Each group holds block lo-1 and lacks block hi: its answer lies in [lo, hi].
+while #stack > 0 do
+  local t = table.remove(stack)
+  local lo, hi, group = t[1], t[2], t[3]
+  if lo >= hi then
+    for k = 1, #group do out[group[k]] = lo end
+  else
+    local mid = math.floor((lo + hi) / 2)
+    local yes, no = split(mid, group)
+    if #yes > 0 then stack[#stack + 1] = {mid + 1, hi, yes} end
+    if #no > 0 then stack[#stack + 1] = {lo, mid, no} end
+  end
+end
+
+if redis.call('EXISTS', pre .. 'holey') == 1 then
+  local names = {}
+  for i = 1, nrep do names[i] = ARGV[i + 3] end
+  local flags = redis.call('SMISMEMBER', pre .. 'holey', unpack(names))
+  for i = 1, nrep do
+    if flags[i] == 1 and out[i] > 0 then
+      local hk = pre .. 'h:' .. ARGV[i + 3]
+      local b, j = out[i], 0
+      while j < b do
+        local m = math.min(b - j, 1000)
+        local members = {}
+        for k = 1, m do members[k] = string.sub(blob, (j + k - 1) * 8 + 1, (j + k) * 8) end
+        local scores = redis.call('ZMSCORE', hk, unpack(members))
+        for k = 1, m do
+          local s = scores[k]
+          if s then
+            local e = tonumber(s)
+            if e == 0 or e > now then out[i] = j + k - 1; b = -1; break end
+          end
+        end
+        j = j + m
+      end
+    end
+  end
+end
+return table.concat(out, ',')
+"""
+
+# ARGV: prefix, now_ms, ttl_ms (0: none), capacity, replica, blob, expiry_ms -> blocks recorded.
+# Block i gets recency seq-i: the root is the most recent, so ZPOPMIN takes leaves first.
+RECORD = r"""
+local pre, rep, blob, expiry = ARGV[1], ARGV[5], ARGV[6], ARGV[7]
+local now, ttl, cap = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local n = math.floor(#blob / 8)
+if n == 0 then return 0 end
+local seq = redis.call('INCRBY', pre .. 'seq', n)
+local lru = pre .. 'l:' .. rep
+local z = {}
+for i = 0, n - 1 do
+  local h = string.sub(blob, i * 8 + 1, i * 8 + 8)
+  local key = pre .. 'b' .. h
+  redis.call('HSET', key, rep, expiry)
+  if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+  z[#z + 1] = seq - i
+  z[#z + 1] = h
+  if #z >= 1000 then redis.call('ZADD', lru, unpack(z)); z = {} end
+end
+if #z > 0 then redis.call('ZADD', lru, unpack(z)) end
+if ttl > 0 then
+  redis.call('PEXPIRE', lru, ttl)
+  redis.call('PEXPIRE', pre .. 'seq', ttl)
+end
+if redis.call('SISMEMBER', pre .. 'holey', rep) == 1 then
+  local hk = pre .. 'h:' .. rep
+  local m = {}
+  for i = 0, n - 1 do
+    m[#m + 1] = string.sub(blob, i * 8 + 1, i * 8 + 8)
+    if #m >= 1000 then redis.call('ZREM', hk, unpack(m)); m = {} end
+  end
+  if #m > 0 then redis.call('ZREM', hk, unpack(m)) end
+  redis.call('ZREMRANGEBYSCORE', hk, '(0', now)
+  if redis.call('EXISTS', hk) == 0 then redis.call('SREM', pre .. 'holey', rep) end
+end
+local over = redis.call('ZCARD', lru) - cap
+if over > 0 then
+  local popped = redis.call('ZPOPMIN', lru, over)
+  for i = 1, #popped, 2 do redis.call('HDEL', pre .. 'b' .. popped[i], rep) end
+end
+return n
+"""
+
+# ARGV: prefix, now_ms, ttl_ms, replica, blob -> blocks evicted.
+# A live evicted block may have blocks below it that the replica still holds; it is kept as a
+# hole until it would have expired anyway (or is recorded again) so match stops there.
+EVICT = r"""
+local pre, rep, blob = ARGV[1], ARGV[4], ARGV[5]
+local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
+local n = math.floor(#blob / 8)
+local lru = pre .. 'l:' .. rep
+local hk = pre .. 'h:' .. rep
+local holes = {}
+local count = 0
+for i = 0, n - 1 do
+  local h = string.sub(blob, i * 8 + 1, i * 8 + 8)
+  local key = pre .. 'b' .. h
+  local v = redis.call('HGET', key, rep)
+  if v then
+    redis.call('HDEL', key, rep)
+    redis.call('ZREM', lru, h)
+    count = count + 1
+    local e = tonumber(v)
+    if e == 0 or e > now then
+      holes[#holes + 1] = v
+      holes[#holes + 1] = h
+      if #holes >= 1000 then redis.call('ZADD', hk, unpack(holes)); holes = {} end
+    end
+  end
+end
+if #holes > 0 then redis.call('ZADD', hk, unpack(holes)) end
+if redis.call('EXISTS', hk) == 1 then
+  redis.call('ZREMRANGEBYSCORE', hk, '(0', now)
+  if redis.call('EXISTS', hk) == 1 then
+    redis.call('SADD', pre .. 'holey', rep)
+    if ttl > 0 then
+      redis.call('PEXPIRE', hk, ttl)
+      redis.call('PEXPIRE', pre .. 'holey', ttl)
+    end
+  else
+    redis.call('SREM', pre .. 'holey', rep)
+  end
+end
+return count
+"""
+
+# ARGV: prefix, replica, limit -> 1 while the replica still holds blocks in this scope, else 0.
+# Pops the oldest (leaves) first, so a match running between two calls sees a shorter prefix.
+FORGET = r"""
+local pre, rep, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local lru = pre .. 'l:' .. rep
+local popped = redis.call('ZPOPMIN', lru, limit)
+for i = 1, #popped, 2 do redis.call('HDEL', pre .. 'b' .. popped[i], rep) end
+if redis.call('EXISTS', lru) == 1 then return 1 end
+redis.call('DEL', pre .. 'h:' .. rep)
+redis.call('SREM', pre .. 'holey', rep)
+return 0
+"""

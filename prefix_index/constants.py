@@ -1,0 +1,71 @@
+"""Defaults and the Redis key layout of the prefix index, stated once.
+
+Every Redis key the index touches is built here; docs/prefix_index.md draws the same table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+DEFAULT_CAPACITY_BLOCKS = 200_000  # per replica (and scope), unless set_capacity says otherwise
+DEFAULT_BLOCK_BYTES = 64  # bytes mode: about 16 tokens of English
+DEFAULT_BLOCK_SIZE = 16  # tokens mode: vLLM's default block size
+DEFAULT_REDIS_TTL_S = 600.0
+DEFAULT_NAMESPACE = "kvgw"
+DEFAULT_LOCAL_CACHE_S = 0.05
+
+# Redis key layout. `{...}` is the Redis Cluster hash tag: every key of one scope shares it, so
+# one Lua call (match, record, evict, forget) only ever touches one slot.
+#   <ns>:{<sid>}:b<8 raw bytes>   HASH   replica -> expiry (ms, client clock; "0" = never)
+#   <ns>:{<sid>}:l:<replica>      ZSET   block hash (8 raw bytes) -> recency sequence (LRU)
+#   <ns>:{<sid>}:h:<replica>      ZSET   explicitly evicted block -> expiry of what it cut off
+#   <ns>:{<sid>}:holey            SET    replicas whose `h:` set is not empty
+#   <ns>:{<sid>}:seq              STRING recency counter of the scope
+#   <ns>:rs:<replica>             SET    sids the replica holds blocks in (for forget)
+#   <ns>:replicas                 SET    replica names (for stats)
+KEY_BLOCK = "b"
+KEY_LRU = "l:"
+KEY_HOLES = "h:"
+KEY_HOLEY = "holey"
+KEY_SEQ = "seq"
+KEY_REPLICA_SCOPES = "rs:"
+KEY_REPLICAS = "replicas"
+
+
+def scope_id(scope: str) -> str:
+    """A short stable id for a scope string: 16 hex digits, safe inside a hash tag."""
+    return xxhash.xxh3_64_hexdigest(scope.encode("utf-8"))
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeKeys:
+    """The key names of one scope in one namespace (all in one Redis Cluster slot)."""
+
+    prefix: bytes  # b"<ns>:{<sid>}:"; block, LRU and hole keys append to it inside Lua
+    seq: bytes  # the key passed as KEYS[1], so a cluster client routes the call to the slot
+    sid: str
+
+    @classmethod
+    def of(cls, namespace: str, scope: str) -> ScopeKeys:
+        return cls.from_sid(namespace, scope_id(scope))
+
+    @classmethod
+    def from_sid(cls, namespace: str, sid: str) -> ScopeKeys:
+        prefix = f"{namespace}:{{{sid}}}:".encode()
+        return cls(prefix=prefix, seq=prefix + KEY_SEQ.encode(), sid=sid)
+
+    def lru(self, replica: str) -> bytes:
+        return self.prefix + KEY_LRU.encode() + replica.encode("utf-8")
+
+    def block(self, block_hash: int) -> bytes:
+        return self.prefix + KEY_BLOCK.encode() + block_hash.to_bytes(8, "big")
+
+
+def replica_scopes_key(namespace: str, replica: str) -> str:
+    return f"{namespace}:{KEY_REPLICA_SCOPES}{replica}"
+
+
+def replicas_key(namespace: str) -> str:
+    return f"{namespace}:{KEY_REPLICAS}"

@@ -1,0 +1,50 @@
+"""Build the index backend that `index.backend` names, from one table (no if/elif ladder).
+
+`open_index` does no I/O: the Redis backend connects on first use and never raises on an outage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prefix_index.base import PrefixIndex
+from prefix_index.constants import DEFAULT_CAPACITY_BLOCKS, DEFAULT_REDIS_TTL_S
+from prefix_index.memory import MemoryIndex
+from prefix_index.redis import RedisIndex
+
+
+def _memory(redis_url: str | None, capacity_blocks: int, ttl_s: float | None) -> PrefixIndex:
+    return MemoryIndex(capacity_blocks, ttl_s)
+
+
+def _redis(redis_url: str | None, capacity_blocks: int, ttl_s: float | None) -> PrefixIndex:
+    if not redis_url:
+        raise ValueError("index.redis_url is required when index.backend is redis")
+    return RedisIndex(
+        redis_url,
+        capacity_blocks=capacity_blocks,
+        ttl_s=DEFAULT_REDIS_TTL_S if ttl_s is None else ttl_s,
+    )
+
+
+BACKENDS: dict[str, Callable[[str | None, int, float | None], PrefixIndex]] = {
+    "memory": _memory,
+    "redis": _redis,
+}
+
+
+def open_index(
+    backend: str,
+    *,
+    redis_url: str | None = None,
+    capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+    ttl_s: float | None = None,
+) -> PrefixIndex:
+    """The index for `index.backend` (memory | redis). For redis, `ttl_s=None` means the
+    default 600 s: shared entries must age out when a gateway or replica vanishes."""
+    make = BACKENDS.get(backend)
+    if make is None:
+        raise ValueError(
+            f"index.backend must be one of {', '.join(sorted(BACKENDS))}, got {backend!r}"
+        )
+    return make(redis_url, capacity_blocks, ttl_s)

@@ -1,0 +1,329 @@
+"""The embedded prefix index: block hash -> bit set of replicas, with per-replica LRU and TTL.
+
+No I/O; the async methods never await, they only meet the PrefixIndex contract.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from prefix_index.base import IndexStats
+from prefix_index.constants import DEFAULT_CAPACITY_BLOCKS
+
+_NEVER = 0  # expiry value of an entry without TTL
+_INT_BYTES = 36  # a 64-bit hash as a Python int
+
+
+class _Scope:
+    """One scope's blocks: who holds each block, and each replica's blocks in LRU order."""
+
+    __slots__ = ("table", "lru", "holes", "next_expiry")
+
+    def __init__(self) -> None:
+        self.table: dict[int, int] = {}  # block hash -> bit set of replica slots
+        # replica -> block hash -> expiry ms; oldest first. A record touches a chain leaf
+        # first and root last, so a block is always more recent than the blocks below it and
+        # LRU eviction (and TTL expiry) takes leaves before the prefixes they hang from.
+        self.lru: dict[str, OrderedDict[int, int]] = {}
+        # replica -> evicted block -> expiry it had. `evict` may cut a chain above blocks the
+        # replica still holds; match stops at such a hole while it could matter (see match).
+        self.holes: dict[str, dict[int, int]] = {}
+        self.next_expiry = sys.maxsize  # earliest expiry at the head of any LRU (a hint)
+
+
+class MemoryIndex:
+    """An in-process PrefixIndex.
+
+    `capacity_blocks` bounds what one replica holds in one scope; `ttl_s` (None: no TTL) ages
+    out blocks not recorded again; `clock` returns seconds (tests pass a fake one). Expiry is
+    kept in whole milliseconds, like the Redis backend, so both answer alike.
+    """
+
+    def __init__(
+        self,
+        capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+        ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
+        self._default_capacity = capacity_blocks
+        self._capacity: dict[str, int] = {}
+        self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._clock = clock
+        self._scopes: dict[str, _Scope] = {}
+        self._slots: dict[str, int] = {}  # replica -> bit position
+        self._names: list[str | None] = []  # bit position -> replica
+        self._free: list[int] = []
+
+    # -- the contract -------------------------------------------------------------------------
+
+    async def match(
+        self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
+    ) -> dict[str, int]:
+        return self.match_now(scope, hashes, replicas)
+
+    async def record(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+        self.record_now(scope, replica, hashes)
+
+    async def evict(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+        self.evict_now(scope, replica, hashes)
+
+    async def forget(self, replica: str) -> None:
+        self.forget_now(replica)
+
+    async def aclose(self) -> None:
+        return None
+
+    async def stats(self) -> IndexStats:
+        return self.stats_now()
+
+    # -- the same, synchronous (for callers that are not coroutines) --------------------------
+
+    def match_now(
+        self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
+    ) -> dict[str, int]:
+        """For each replica, how many leading blocks of the chain it holds.
+
+        What a replica holds is prefix-closed: a record writes a whole chain from block 0, and
+        LRU and TTL take leaves before the prefixes they hang from. So a binary search finds
+        each replica's depth; replicas that share a depth share the probes (one dict lookup
+        and a bit mask per probe). Blocks cut by `evict` are the one exception: a replica with
+        such holes gets its depth clipped at the first live hole of the chain.
+        """
+        result = dict.fromkeys(replicas, 0)
+        st = self._scopes.get(scope)
+        n = len(hashes)
+        if st is None or not n or not replicas:
+            return result
+        self._purge(st, self._now_ms())
+        slots = self._slots
+        alive = 0
+        for name in replicas:
+            slot = slots.get(name)
+            if slot is not None:
+                alive |= 1 << slot
+        get = st.table.get
+        held = get(hashes[0], 0) & alive
+        if not held:
+            return result
+        found: list[tuple[int, int]] = []  # (replica bits, depth)
+        full = get(hashes[n - 1], 0) & held
+        if full:
+            found.append((full, n))
+        # Each entry: these replicas hold block lo-1 and lack block hi; depth is in [lo, hi].
+        stack = [(1, n - 1, held & ~full)] if held & ~full else []
+        while stack:
+            lo, hi, group = stack.pop()
+            if lo >= hi:
+                found.append((group, lo))
+                continue
+            mid = (lo + hi) >> 1
+            yes = get(hashes[mid], 0) & group
+            if yes:
+                stack.append((mid + 1, hi, yes))
+            if group != yes:
+                stack.append((lo, mid, group & ~yes))
+        names = self._names
+        for group, depth in found:
+            while group:
+                low = group & -group
+                result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
+                group ^= low
+        if st.holes:
+            self._clip_at_holes(st, hashes, result)
+        return result
+
+    def record_now(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+        """The replica now holds this chain; its blocks become its most recently used."""
+        if not hashes:
+            return
+        now = self._now_ms()
+        expiry = _NEVER if self._ttl_ms is None else now + self._ttl_ms
+        st = self._scopes.get(scope)
+        if st is None:
+            st = self._scopes[scope] = _Scope()
+        else:
+            self._purge(st, now)
+        bit = 1 << self._slot(replica)
+        lru = st.lru.get(replica)
+        if lru is None:
+            lru = st.lru[replica] = OrderedDict()
+        table = st.table
+        move = lru.move_to_end
+        for h in reversed(hashes):  # leaf first, root last: the root is the most recent
+            held = table.get(h, 0)
+            if held & bit:
+                move(h)
+            else:
+                table[h] = held | bit
+            lru[h] = expiry
+        holes = st.holes.get(replica)
+        if holes:
+            for h in hashes:
+                holes.pop(h, None)
+            if not holes:
+                del st.holes[replica]
+        self._trim(st, replica, lru, bit)
+        if lru and expiry != _NEVER:
+            st.next_expiry = min(st.next_expiry, next(iter(lru.values())))
+
+    def evict_now(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+        """The replica no longer holds these blocks (a match stops at the first one)."""
+        st = self._scopes.get(scope)
+        slot = self._slots.get(replica)
+        if st is None or slot is None:
+            return
+        lru = st.lru.get(replica)
+        if lru is None:
+            return
+        now = self._now_ms()
+        bit = 1 << slot
+        holes = st.holes.setdefault(replica, {})
+        for h in hashes:
+            expiry = lru.pop(h, None)
+            if expiry is not None:
+                self._clear(st.table, h, bit)
+                if expiry == _NEVER or expiry > now:
+                    holes[h] = expiry
+        for h in [h for h, e in holes.items() if e != _NEVER and e <= now]:
+            del holes[h]
+        if not holes:
+            del st.holes[replica]
+        if not lru:
+            self._drop_replica(st, replica)
+
+    def forget_now(self, replica: str) -> None:
+        """Drop everything the replica holds, in every scope (it restarted or left)."""
+        slot = self._slots.pop(replica, None)
+        if slot is None:
+            return
+        bit = 1 << slot
+        for st in self._scopes.values():
+            lru = st.lru.get(replica)
+            if lru:
+                for h in lru:
+                    self._clear(st.table, h, bit)
+            self._drop_replica(st, replica)
+        self._names[slot] = None
+        self._free.append(slot)
+        self._drop_empty_scopes()
+
+    def set_capacity(self, replica: str, blocks: int) -> None:
+        """Capacity of one replica in blocks (per scope); trims it at once if it shrank."""
+        if blocks < 0:
+            raise ValueError(f"capacity must be >= 0, got {blocks}")
+        self._capacity[replica] = blocks
+        slot = self._slots.get(replica)
+        if slot is None:
+            return
+        for st in self._scopes.values():
+            lru = st.lru.get(replica)
+            if lru is not None:
+                self._trim(st, replica, lru, 1 << slot)
+
+    def stats_now(self) -> IndexStats:
+        per_replica: dict[str, int] = {}
+        distinct = 0
+        size = sys.getsizeof(self._scopes)
+        for st in self._scopes.values():
+            distinct += len(st.table)
+            size += sys.getsizeof(st.table)
+            for replica, lru in st.lru.items():
+                per_replica[replica] = per_replica.get(replica, 0) + len(lru)
+                size += sys.getsizeof(lru)
+        size += distinct * _INT_BYTES
+        return IndexStats(
+            backend="memory",
+            blocks_per_replica=per_replica,
+            entries=sum(per_replica.values()),
+            distinct_blocks=distinct,
+            bytes_estimate=size,
+        )
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    def _slot(self, replica: str) -> int:
+        slot = self._slots.get(replica)
+        if slot is None:
+            if self._free:
+                slot = self._free.pop()
+                self._names[slot] = replica
+            else:
+                slot = len(self._names)
+                self._names.append(replica)
+            self._slots[replica] = slot
+        return slot
+
+    def _trim(self, st: _Scope, replica: str, lru: OrderedDict[int, int], bit: int) -> None:
+        over = len(lru) - self._capacity.get(replica, self._default_capacity)
+        for _ in range(max(over, 0)):
+            h, _expiry = lru.popitem(last=False)
+            self._clear(st.table, h, bit)
+        if not lru:
+            self._drop_replica(st, replica)
+
+    def _purge(self, st: _Scope, now: int) -> None:
+        """Drop expired entries. Each LRU is in expiry order, so they sit at its head."""
+        if now < st.next_expiry:
+            return
+        table = st.table
+        next_expiry = sys.maxsize
+        for replica in list(st.lru):
+            lru = st.lru[replica]
+            bit = 1 << self._slots[replica]
+            while lru:
+                h, expiry = next(iter(lru.items()))
+                if expiry == _NEVER or expiry > now:
+                    if expiry != _NEVER:
+                        next_expiry = min(next_expiry, expiry)
+                    break
+                del lru[h]
+                self._clear(table, h, bit)
+            if not lru:
+                self._drop_replica(st, replica)
+        st.next_expiry = next_expiry
+
+    def _clip_at_holes(self, st: _Scope, hashes: Sequence[int], result: dict[str, int]) -> None:
+        """Clip each holey replica's depth at the first live hole of the chain.
+
+        A live hole is the only way a block below can be held while this one is not: the
+        blocks under an evicted block were touched no later than it, so they expire no later
+        than the hole does (and recording them again records the hole's block too).
+        """
+        now = self._now_ms()
+        for replica, depth in result.items():
+            holes = st.holes.get(replica) if depth else None
+            if not holes:
+                continue
+            for i in range(depth):
+                expiry = holes.get(hashes[i])
+                if expiry is not None and (expiry == _NEVER or expiry > now):
+                    result[replica] = i
+                    break
+
+    @staticmethod
+    def _drop_replica(st: _Scope, replica: str) -> None:
+        """The replica holds nothing in this scope any more (holes included)."""
+        st.lru.pop(replica, None)
+        st.holes.pop(replica, None)
+
+    @staticmethod
+    def _clear(table: dict[int, int], h: int, bit: int) -> None:
+        held = table.get(h, 0) & ~bit
+        if held:
+            table[h] = held
+        else:
+            table.pop(h, None)
+
+    def _drop_empty_scopes(self) -> None:
+        for scope in [s for s, st in self._scopes.items() if not st.table]:
+            del self._scopes[scope]

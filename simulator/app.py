@@ -1,0 +1,133 @@
+"""The replica's HTTP surface: vLLM's OpenAI endpoints plus the simulator's /sim/* switches.
+
+`create_app(replica)` builds a Starlette app around one replica; nothing lives at module level.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from simulator.faults import Fault
+from simulator.metrics import CONTENT_TYPE
+from simulator.openai_api import ApiError, bad
+
+if TYPE_CHECKING:
+    from simulator.replica import Replica
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError:
+        raise bad("the request body is not valid JSON") from None
+
+
+def create_app(replica: Replica) -> Starlette:
+    service = replica.service
+    tok = replica.tokenizer
+    max_model_len = replica.engine.config.max_model_len
+    created = int(time.time())
+
+    async def chat(request: Request) -> Response:
+        return await service.handle(request, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await service.handle(request, chat=False)
+
+    async def models(request: Request) -> Response:
+        name = replica.model_name
+        card = {"id": name, "object": "model", "created": created, "owned_by": "vllm",
+                "root": replica.engine.config.model.hf_name or name, "parent": None,
+                "max_model_len": max_model_len,
+                "permission": [{"id": f"modelperm-{name}", "object": "model_permission",
+                                "created": created, "allow_create_engine": False,
+                                "allow_sampling": True, "allow_logprobs": True,
+                                "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*",
+                                "group": None, "is_blocking": False}]}
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        return Response(b"", status_code=200)
+
+    async def load(request: Request) -> Response:
+        e = replica.engine
+        return json_response({"server_load": e.num_running + e.num_waiting})
+
+    async def metrics(request: Request) -> Response:
+        return Response(replica.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def tokenize(request: Request) -> Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+            raise bad("send either prompt or messages")
+        if "messages" in body:
+            if not isinstance(body["messages"], list):
+                raise bad("messages must be a list", "messages")
+            add_gen = body.get("add_generation_prompt", True) is not False
+            try:
+                tokens = tok.encode(tok.render_chat(body["messages"], add_gen))
+            except (ValueError, AttributeError):
+                raise bad("messages must be objects with role and content", "messages") from None
+        elif isinstance(body["prompt"], str):
+            tokens = tok.encode(body["prompt"])
+        else:
+            raise bad("prompt must be a string", "prompt")
+        return json_response({"count": len(tokens), "max_model_len": max_model_len,
+                              "tokens": tokens, "token_strs": None})
+
+    async def sim_stats(request: Request) -> Response:
+        return json_response(replica.stats())
+
+    async def sim_stats_reset(request: Request) -> Response:
+        replica.reset_stats()
+        return json_response(replica.stats())
+
+    async def sim_fault(request: Request) -> Response:
+        if request.method == "POST":
+            try:
+                replica.faults.set(Fault.from_json(await _json_body(request)))
+            except ValueError as exc:
+                raise bad(str(exc)) from None
+        return json_response(replica.faults.state())
+
+    async def sim_cache(request: Request) -> Response:
+        cache = replica.engine.cache
+        return json_response({"block_size": cache.block_size, "num_blocks": cache.num_blocks,
+                              "hash": "xxh3_64 chain: h_i = xxh3_64(int64le(tokens_i), "
+                                      "seed=h_{i-1}), h_-1 = 0 or xxh3_64(cache_salt)",
+                              "blocks": cache.dump()})
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return json_response(exc.body(), exc.status)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        return json_response(ApiError(500, f"{type(exc).__name__}: {exc}").body(), 500)
+
+    routes = [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/load", load, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/sim/stats", sim_stats, methods=["GET"]),
+        Route("/sim/stats/reset", sim_stats_reset, methods=["POST"]),
+        Route("/sim/fault", sim_fault, methods=["GET", "POST"]),
+        Route("/sim/cache", sim_cache, methods=["GET"]),
+    ]
+    return Starlette(routes=routes,
+                     exception_handlers={ApiError: api_error, Exception: internal_error})

@@ -1,0 +1,129 @@
+"""Engine configuration: vLLM-like knobs with vLLM-like defaults, validated once.
+
+`build_config(model, gpu, **overrides)` is the one way in; the CLI, Fleet and Cluster use it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+from simulator.perf_model import PerfModel, auto_tp
+from simulator.profiles import GpuProfile, ModelProfile, get_gpu, get_model
+
+Scheduling = Literal["fcfs", "priority"]
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLengths:
+    """How many tokens a request generates when it does not set max_tokens.
+
+    Spec strings: `fixed:N`, `uniform:LO:HI` (inclusive), `exponential:MEAN` (at least 1).
+    """
+
+    kind: Literal["fixed", "uniform", "exponential"] = "uniform"
+    a: float = 32
+    b: float = 512
+
+    @classmethod
+    def parse(cls, spec: str) -> OutputLengths:
+        kind, _, rest = spec.partition(":")
+        try:
+            args = [float(x) for x in rest.split(":")] if rest else []
+        except ValueError:
+            raise ValueError(f"bad output length spec {spec!r}") from None
+        if kind == "fixed" and len(args) == 1 and args[0] >= 1:
+            return cls("fixed", args[0], args[0])
+        if kind == "uniform" and len(args) == 2 and 1 <= args[0] <= args[1]:
+            return cls("uniform", args[0], args[1])
+        if kind == "exponential" and len(args) == 1 and args[0] >= 1:
+            return cls("exponential", args[0], 0)
+        raise ValueError(
+            f"bad output length spec {spec!r}: use fixed:N, uniform:LO:HI or exponential:MEAN"
+        )
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return int(self.a)
+        if self.kind == "uniform":
+            return rng.randint(int(self.a), int(self.b))
+        return max(1, round(rng.expovariate(1.0 / self.a)))
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"fixed:{int(self.a)}"
+        if self.kind == "uniform":
+            return f"uniform:{int(self.a)}:{int(self.b)}"
+        return f"exponential:{self.a:g}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything one simulated replica needs; `perf` is derived from the other fields."""
+
+    model: ModelProfile
+    gpu: GpuProfile
+    tensor_parallel_size: int
+    max_model_len: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    scheduling_policy: Scheduling = "fcfs"
+    output_lengths: OutputLengths = field(default_factory=OutputLengths)
+    step_overhead_s: float = 0.001
+    prefill_attention: bool = False
+    overhead_gb: float | None = None
+    num_gpu_blocks: int | None = None  # override the computed KV capacity (tests, what-ifs)
+
+    @property
+    def perf(self) -> PerfModel:
+        return PerfModel(
+            self.model, self.gpu, tp=self.tensor_parallel_size,
+            gpu_memory_utilization=self.gpu_memory_utilization, overhead_gb=self.overhead_gb,
+            step_overhead_s=self.step_overhead_s, prefill_attention=self.prefill_attention,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        return self.perf.num_blocks(self.block_size)
+
+    def validate(self) -> EngineConfig:
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"KV cache holds {self.num_blocks * self.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}: raise tensor_parallel_size or "
+                "gpu_memory_utilization, or lower max_model_len"
+            )
+        return self
+
+
+_OVERRIDABLE = {f.name for f in fields(EngineConfig)} - {"model", "gpu"}
+
+
+def build_config(model: str | ModelProfile = "qwen2.5-14b", gpu: str | GpuProfile = "a100-80g",
+                 **overrides: Any) -> EngineConfig:
+    """Resolve profiles by name, apply overrides, pick TP when not given, validate."""
+    unknown = set(overrides) - _OVERRIDABLE
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {sorted(unknown)}; known: {sorted(_OVERRIDABLE)}")
+    m, g = get_model(model), get_gpu(gpu)
+    opts = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(opts.get("output_lengths"), str):
+        opts["output_lengths"] = OutputLengths.parse(opts["output_lengths"])
+    max_len = int(opts.pop("max_model_len", m.max_model_len))
+    tp = opts.pop("tensor_parallel_size", None)
+    if tp is None:
+        tp = auto_tp(m, g, max_model_len=max_len,
+                     gpu_memory_utilization=opts.get("gpu_memory_utilization", 0.9),
+                     overhead_gb=opts.get("overhead_gb"))
+    base = EngineConfig(model=m, gpu=g, tensor_parallel_size=int(tp), max_model_len=max_len)
+    return replace(base, **opts).validate()

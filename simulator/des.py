@@ -1,0 +1,203 @@
+"""Discrete-event mode: the same engines in virtual time, no HTTP and no wall clock.
+
+`await run(requests, Cluster(8, ...), router)` replays a trace through a routing policy.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import inspect
+import math
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from simulator.config import EngineConfig, build_config
+from simulator.engine import Engine
+from simulator.kv_cache import PromptHasher
+from simulator.profiles import GpuProfile, ModelProfile
+from simulator.stats import percentile
+
+
+@dataclass(slots=True)
+class SimRequest:
+    id: str
+    arrival_s: float
+    prompt_tokens: Sequence[int]
+    max_tokens: int
+    priority: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """One replica as a `/metrics` scrape taken at `scraped_at_s` shows it."""
+
+    index: int
+    waiting: int
+    running: int
+    kv_usage: float
+    scraped_at_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    id: str
+    replica: int
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    preemptions: int
+    priority: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (NaN for one-token outputs)."""
+        if self.output_tokens < 2:
+            return math.nan
+        return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+
+
+@dataclass(slots=True)
+class RunResult:
+    records: list[RequestRecord]  # in arrival order
+    busy_s: list[float]  # per replica, simulated seconds spent in steps
+
+    def summary(self) -> dict[str, float]:
+        recs = self.records
+        if not recs:
+            return {"requests": 0}
+        prompt = sum(r.prompt_tokens for r in recs)
+        out = sum(r.output_tokens for r in recs)
+        span = max(r.finish_s for r in recs) - min(r.arrival_s for r in recs)
+        ttft = [r.ttft_s for r in recs]
+        tpot = [r.tpot_s for r in recs if r.output_tokens > 1]
+        e2e = [r.finish_s - r.arrival_s for r in recs]
+        mean_busy = sum(self.busy_s) / len(self.busy_s)
+        return {
+            "requests": len(recs),
+            "hit_ratio": sum(r.cached_tokens for r in recs) / prompt if prompt else 0.0,
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
+            "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99),
+            "throughput_tok_s": out / span if span > 0 else math.nan,
+            "throughput_req_s": len(recs) / span if span > 0 else math.nan,
+            "imbalance": max(self.busy_s) / mean_busy if mean_busy > 0 else 1.0,
+            "preemptions": sum(r.preemptions for r in recs),
+            "makespan_s": span,
+        }
+
+
+class Router(Protocol):
+    """Picks a replica index. `on_first_token(req, replica, t)` and
+    `on_finish(req, replica, record)` are optional and called when defined."""
+
+    def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int | Awaitable[int]: ...
+
+
+class Cluster:
+    """`n_replicas` engines of one configuration; engine i is seeded `seed + i`."""
+
+    def __init__(self, n_replicas: int, model: str | ModelProfile = "qwen2.5-14b",
+                 gpu: str | GpuProfile = "a100-80g", seed: int = 0, **engine_overrides: Any):
+        if n_replicas < 1:
+            raise ValueError("a cluster needs at least one replica")
+        self.config: EngineConfig = build_config(model, gpu, **engine_overrides)
+        self.hasher = PromptHasher(self.config.block_size)
+        self.engines = [Engine(self.config, seed=seed + i, hasher=self.hasher)
+                        for i in range(n_replicas)]
+
+    def loads(self, t: float) -> list[ReplicaLoad]:
+        return [ReplicaLoad(i, e.num_waiting, e.num_running, e.kv_usage, t)
+                for i, e in enumerate(self.engines)]
+
+
+async def run(requests: Iterable[SimRequest], cluster: Cluster, router: Router, *,
+              scrape_interval_s: float = 1.0) -> RunResult:
+    """Replay `requests` through `router` onto `cluster`; deterministic for a given input.
+
+    The router sees loads as of the last scrape (every `scrape_interval_s` virtual seconds;
+    0 means live). At equal times arrivals go before step completions.
+    """
+    reqs = sorted(requests, key=lambda r: r.arrival_s)
+    # A trace holds millions of token ids in long-lived lists; exempt everything that exists
+    # now from the cyclic GC, or full collections re-scan them again and again.
+    gc.freeze()
+    try:
+        return await _run(reqs, cluster, router, scrape_interval_s)
+    finally:
+        gc.unfreeze()
+
+
+async def _run(reqs: list[SimRequest], cluster: Cluster, router: Router,
+               scrape_interval_s: float) -> RunResult:
+    engines = cluster.engines
+    n = len(engines)
+    first_cb: Callable[..., Any] | None = getattr(router, "on_first_token", None)
+    finish_cb: Callable[..., Any] | None = getattr(router, "on_finish", None)
+    ends: list[tuple[float, int, int]] = []  # (step end, tie-breaker, replica)
+    records: dict[int, RequestRecord] = {}
+    order = {id(r): k for k, r in enumerate(reqs)}
+    view = cluster.loads(0.0)
+    next_scrape = scrape_interval_s
+    pushes = 0
+
+    def start(i: int, t: float) -> None:
+        nonlocal pushes
+        step = engines[i].begin_step(t)
+        if step is not None:
+            pushes += 1
+            heapq.heappush(ends, (step.end_s, pushes, i))
+
+    k, total = 0, len(reqs)
+    while k < total or ends:
+        t_arrival = reqs[k].arrival_s if k < total else math.inf
+        t = min(t_arrival, ends[0][0]) if ends else t_arrival
+        if scrape_interval_s > 0 and t >= next_scrape:
+            at = math.floor(t / scrape_interval_s) * scrape_interval_s
+            view = cluster.loads(at)
+            next_scrape = at + scrape_interval_s
+        if t_arrival <= t:
+            req = reqs[k]
+            k += 1
+            choice = router.route(req, view if scrape_interval_s > 0 else cluster.loads(t))
+            if inspect.isawaitable(choice):
+                choice = await choice
+            if not isinstance(choice, int) or not 0 <= choice < n:
+                raise ValueError(f"router returned {choice!r} for {req.id}; want 0..{n - 1}")
+            engine = engines[choice]
+            seq = engine.add_request(req.id, req.prompt_tokens, arrival_s=t,
+                                     max_tokens=req.max_tokens, priority=req.priority,
+                                     hashes=cluster.hasher(req.prompt_tokens))
+            seq.user = req
+            if engine.in_flight is None:
+                start(choice, t)
+            continue
+        _, _, i = heapq.heappop(ends)
+        result = engines[i].end_step()
+        for seq in result.emitted:
+            if first_cb is not None and seq.last_itl is None:
+                await _maybe(first_cb(seq.user, i, t))
+        for seq in result.finished:
+            rec = RequestRecord(seq.id, i, seq.arrival_s, seq.first_token_s or t, t,
+                                seq.prompt_len, seq.cached_tokens, len(seq.output),
+                                seq.preemptions, seq.priority)
+            records[order[id(seq.user)]] = rec
+            if finish_cb is not None:
+                await _maybe(finish_cb(seq.user, i, rec))
+        if engines[i].has_work:
+            start(i, t)
+    return RunResult([records[j] for j in range(total)], [e.counters.busy_time_s for e in engines])
+
+
+async def _maybe(value: Any) -> None:
+    if inspect.isawaitable(value):
+        await value

@@ -1,0 +1,219 @@
+"""The engine model: requests in, steps out, in simulated time and with no clock of its own.
+
+`begin_step(now)` schedules and prices a step; `end_step()` applies it at `now + duration`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from simulator.config import EngineConfig
+from simulator.kv_cache import PrefixCache, PromptHasher, salt_seed
+from simulator.scheduler import Scheduler
+from simulator.sequence import Sequence, Status
+from simulator.stats import EngineCounters
+
+DEFAULT_FILLER = tuple(range(1000, 1064))
+
+
+@dataclass(slots=True)
+class Step:
+    start_s: float
+    duration_s: float
+    items: dict[Sequence, int]
+    preempted: list[Sequence]
+    admitted: list[Sequence]
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.duration_s
+
+
+@dataclass(slots=True)
+class StepResult:
+    end_s: float
+    emitted: list[Sequence] = field(default_factory=list)  # got one token this step
+    finished: list[Sequence] = field(default_factory=list)
+
+
+class Engine:
+    """One replica's engine: a prefix cache, a scheduler and the performance model."""
+
+    def __init__(self, config: EngineConfig, *, seed: int = 0,
+                 filler_ids: Seq[int] = DEFAULT_FILLER, hasher: PromptHasher | None = None,
+                 ) -> None:
+        self.config = config
+        self.hasher = hasher or PromptHasher(config.block_size)
+        self.perf = config.perf
+        self.cache = PrefixCache(config.num_blocks, config.block_size,
+                                 enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.cache)
+        self.counters = EngineCounters()
+        self.rng = random.Random(seed)
+        self.filler = tuple(filler_ids)
+        self.requests: dict[str, Sequence] = {}
+        self.in_flight: Step | None = None
+        self.now_s = 0.0
+        self._order = 0
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.cache.usage
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running) or len(self.scheduler.waiting) > 0
+
+    def prompt_hashes(self, token_ids: Seq[int], cache_salt: str | None = None) -> list[int]:
+        return self.hasher(token_ids, salt_seed(cache_salt))
+
+    def cached_prefix_tokens(self, token_ids: Seq[int], *, hashes: Seq[int] | None = None,
+                             cache_salt: str | None = None) -> int:
+        """Tokens of this prompt that a request admitted now would find in the prefix cache."""
+        if not self.config.enable_prefix_caching or not token_ids:
+            return 0
+        if hashes is None:
+            hashes = self.prompt_hashes(token_ids, cache_salt)
+        limit = (len(token_ids) - 1) // self.config.block_size
+        return self.cache.longest_prefix(hashes, limit) * self.config.block_size
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Seq[int], *, arrival_s: float,
+                    max_tokens: int | None = None, priority: int = 0,
+                    cache_salt: str | None = None, hashes: Seq[int] | None = None) -> Sequence:
+        """Queue a request. Without `max_tokens` its length comes from the configured
+        output-length distribution; either way it is capped by max_model_len."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        room = self.config.max_model_len - len(prompt)
+        if room < 1 or not prompt:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len="
+                             f"{self.config.max_model_len} (and must not be empty)")
+        by_length = max_tokens is not None
+        target = max_tokens if max_tokens is not None else \
+            self.config.output_lengths.sample(self.rng)
+        self._order += 1
+        seq = Sequence(request_id, self._order, prompt, target_out=max(1, min(target, room)),
+                       stop_at_length=by_length, arrival_s=arrival_s, priority=priority,
+                       salt=salt_seed(cache_salt), out_base=self.rng.randrange(len(self.filler)))
+        if hashes is not None and self.config.enable_prefix_caching:
+            seq.hashes = list(hashes)
+        self.requests[request_id] = seq
+        self.scheduler.waiting.push(seq)
+        self.counters.requests_received += 1
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (client went away); its blocks are freed at once."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.finished:
+            return False
+        self.scheduler.drop(seq)
+        seq.status = Status.ABORTED
+        self.counters.requests_aborted += 1
+        return True
+
+    # -- steps ----------------------------------------------------------------------------
+    def begin_step(self, now: float) -> Step | None:
+        """Schedule the next step starting at `now`; None when there is nothing to run."""
+        if self.in_flight is not None:
+            raise RuntimeError("a step is already in flight")
+        self.now_s = max(self.now_s, now)
+        batch = self.scheduler.schedule()
+        while not batch.items and batch.preempted:
+            # everything running was preempted: the next pass re-admits from the queue
+            self.counters.preemptions += len(batch.preempted)
+            batch = self.scheduler.schedule()
+        c = self.counters
+        c.preemptions += len(batch.preempted)
+        for seq in batch.admitted:
+            c.prefix_queries += seq.num_tokens
+            c.prefix_hits += seq.num_computed
+            if not seq.admitted:
+                seq.admitted = True
+                seq.cached_tokens = seq.num_computed
+                seq.scheduled_s = self.now_s
+                c.prompt_tokens += seq.prompt_len
+                c.cached_prompt_tokens += seq.num_computed
+        if not batch.items:
+            return None
+        perf = self.perf
+        prefill_tokens = n_decode = kv_tokens = 0
+        attention_s = 0.0
+        attention = perf.prefill_attention
+        for seq, n in batch.items.items():
+            nc = seq.num_computed
+            if n == 1 and nc >= seq.prompt_len:
+                n_decode += 1
+                kv_tokens += nc + 1
+            else:
+                prefill_tokens += n
+                if attention:
+                    attention_s += perf.attention_s(n, nc)
+        prefill_s = prefill_tokens * perf.prefill_s_per_token + attention_s
+        duration = perf.step_time(prefill_s, n_decode, kv_tokens)
+        step = Step(self.now_s, duration, batch.items, batch.preempted, batch.admitted,
+                    prefill_tokens, n_decode)
+        self.in_flight = step
+        return step
+
+    def end_step(self) -> StepResult:
+        """Apply the step in flight: KV computed, one token per caught-up sequence."""
+        step = self.in_flight
+        if step is None:
+            raise RuntimeError("no step in flight")
+        self.in_flight = None
+        t = self.now_s = step.end_s
+        c = self.counters
+        c.steps += 1
+        c.busy_time_s += step.duration_s
+        result = StepResult(t)
+        emitted, finished = result.emitted, result.finished
+        filler, nf, running_ = self.filler, len(self.filler), Status.RUNNING
+        for seq, n in step.items.items():
+            if seq.status is not running_:
+                continue  # aborted while the step ran
+            nc = seq.num_computed = seq.num_computed + n
+            out = seq.output
+            k = len(out)
+            if nc < seq.prompt_len + k:
+                continue  # a prefill chunk, not the last one
+            out.append(filler[(seq.out_base + k) % nf])
+            if k == 0:
+                seq.first_token_s = t
+                seq.last_itl = None
+            else:
+                seq.last_itl = t - seq.last_token_s  # type: ignore[operator]
+            seq.last_token_s = t
+            emitted.append(seq)
+            if k + 1 >= seq.target_out:
+                finished.append(seq)
+        for seq in finished:
+            self._finish(seq, t)
+        c.generation_tokens += len(result.emitted)
+        return result
+
+    def _finish(self, seq: Sequence, t: float) -> None:
+        self.scheduler.drop(seq)
+        seq.status = Status.FINISHED
+        seq.finish_s = t
+        self.requests.pop(seq.id, None)
+        c = self.counters
+        c.requests_served += 1
+        if seq.stop_at_length:
+            c.finished_length += 1
+        else:
+            c.finished_stop += 1

@@ -1,0 +1,129 @@
+"""`/metrics` with vLLM's metric names, types, labels and buckets, in simulated seconds.
+
+One CollectorRegistry per replica; gauges and counters are read from the engine at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from simulator.engine import Engine, StepResult
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LABELS = ("model_name", "engine")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters straight from the engine's state and monotonic counters."""
+
+    def __init__(self, engine: Engine, labels: list[str]) -> None:
+        self.engine = engine
+        self.labels = labels
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        e, lv = self.engine, self.labels
+        c = e.counters
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.",
+             e.num_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+             e.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             e.kv_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(lv, value)
+            yield g
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries",
+             "Prefix cache queries, in terms of number of queried tokens.", c.prefix_queries),
+            ("vllm:prefix_cache_hits",
+             "Prefix cache hits, in terms of number of cached tokens.", c.prefix_hits),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+             c.preemptions),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens),
+            ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix hits).",
+             c.cached_prompt_tokens),
+            ("vllm:generation_tokens", "Number of generation tokens processed.",
+             c.generation_tokens),
+        ):
+            m = CounterMetricFamily(name, doc, labels=LABELS)
+            m.add_metric(lv, value)
+            yield m
+        ok = CounterMetricFamily("vllm:request_success", "Count of successfully processed "
+                                 "requests.", labels=(*LABELS, "finished_reason"))
+        ok.add_metric([*lv, "stop"], c.finished_stop)
+        ok.add_metric([*lv, "length"], c.finished_length)
+        ok.add_metric([*lv, "abort"], c.requests_aborted)
+        yield ok
+        cfg = e.config
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
+                                 "CacheConfig", labels=("block_size", "enable_prefix_caching",
+                                                         "gpu_memory_utilization",
+                                                         "num_gpu_blocks"))
+        info.add_metric([str(cfg.block_size), str(cfg.enable_prefix_caching),
+                         str(cfg.gpu_memory_utilization), str(cfg.num_blocks)], 1.0)
+        yield info
+
+
+class ReplicaMetrics:
+    """The replica's registry; `on_step` feeds the latency histograms."""
+
+    def __init__(self, engine: Engine, model_name: str, engine_index: str = "0") -> None:
+        self.registry = CollectorRegistry()
+        lv = [model_name, engine_index]
+        self.registry.register(_EngineCollector(engine, lv))
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            h = Histogram(name, doc, LABELS, registry=self.registry, buckets=buckets)
+            return h.labels(*lv)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds",
+                         "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds",
+                        "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds",
+                        "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds",
+                          "Histogram of time spent in WAITING phase for request.",
+                          REQUEST_BUCKETS)
+        self.inference = hist("vllm:request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.",
+                              REQUEST_BUCKETS)
+        self.prefill = hist("vllm:request_prefill_time_seconds",
+                            "Histogram of time spent in PREFILL phase for request.",
+                            REQUEST_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds",
+                           "Histogram of time spent in DECODE phase for request.",
+                           REQUEST_BUCKETS)
+
+    def on_step(self, result: StepResult) -> None:
+        for seq in result.emitted:
+            if seq.last_itl is None:
+                self.ttft.observe(result.end_s - seq.arrival_s)
+            else:
+                self.itl.observe(seq.last_itl)
+        for seq in result.finished:
+            scheduled = seq.scheduled_s if seq.scheduled_s is not None else seq.arrival_s
+            first = seq.first_token_s if seq.first_token_s is not None else result.end_s
+            self.e2e.observe(result.end_s - seq.arrival_s)
+            self.queue.observe(scheduled - seq.arrival_s)
+            self.inference.observe(result.end_s - scheduled)
+            self.prefill.observe(first - scheduled)
+            self.decode.observe(result.end_s - first)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,145 @@
+"""One simulated replica: engine, runner, metrics, faults, and a uvicorn server on its port.
+
+`start()` binds and serves in the running loop; `stop()` kills it the way a crash would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Generator
+from typing import Any
+
+import uvicorn
+
+from simulator.app import create_app
+from simulator.config import EngineConfig
+from simulator.engine import Engine
+from simulator.faults import FaultSwitch
+from simulator.metrics import ReplicaMetrics
+from simulator.runner import EngineRunner
+from simulator.serving import CompletionService
+from simulator.stats import EngineCounters
+from simulator.tokenizer import ByteTokenizer, Tokenizer
+
+START_TIMEOUT_S = 10.0
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to whoever owns the process."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class Replica:
+    """A vLLM-like server with a simulated GPU behind it."""
+
+    def __init__(self, config: EngineConfig, *, seed: int = 0, speedup: float = 1.0,
+                 served_model_name: str | None = None, host: str = "127.0.0.1",
+                 port: int = 0, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.host, self.port = host, port
+        self.speedup = speedup
+        self.model_name = served_model_name or config.model.name
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        self.engine = Engine(config, seed=seed, filler_ids=self.tokenizer.filler_ids)
+        self.metrics = ReplicaMetrics(self.engine, self.model_name)
+        self.runner = EngineRunner(self.engine, speedup=speedup, on_step=self.metrics.on_step)
+        self.faults = FaultSwitch()
+        self.service = CompletionService(runner=self.runner, tokenizer=self.tokenizer,
+                                         model_name=self.model_name, faults=self.faults,
+                                         kill_connection=self.kill_connection)
+        self.app = create_app(self)
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._base = EngineCounters()
+        self._base_evictions = 0
+        self._base_sim_s = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        sock = bind(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
+                                ws="none")
+        self._server = server = _Server(config)
+        self.runner.start()
+        self._task = asyncio.create_task(server.serve(sockets=[sock]), name=f"replica-{self.port}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + START_TIMEOUT_S
+        while not server.started:  # the socket already listens; this only surfaces failures
+            if self._task.done() or loop.time() > deadline:
+                await self.stop()
+                raise RuntimeError(f"replica on port {self.port} failed to start")
+            await asyncio.sleep(0.001)
+
+    def kill_connection(self, client: Any) -> None:
+        """Abort (RST) the TCP connection of the client at `client` = (host, port)."""
+        if self._server is None:
+            return
+        for conn in list(self._server.server_state.connections):
+            if getattr(conn, "client", None) == tuple(client or ()):
+                conn.transport.abort()
+
+    async def stop(self) -> None:
+        """Die: drop every connection, stop serving, stop the engine. Idempotent."""
+        server, task = self._server, self._task
+        if server is not None:
+            server.should_exit = server.force_exit = True
+            for conn in list(server.server_state.connections):
+                conn.transport.abort()
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for t in list(server.server_state.tasks if server else ()):
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+        await self.runner.stop()
+        self._task = None
+
+    # -- /sim/stats -----------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self._base = self.engine.counters.copy()
+        self._base_evictions = self.engine.cache.evictions
+        self._base_sim_s = self.runner.sim_now()
+
+    def stats(self) -> dict[str, Any]:
+        e = self.engine
+        d = e.counters.minus(self._base)
+        elapsed = max(self.runner.sim_now() - self._base_sim_s, 1e-9)
+        return {
+            "requests_served": d.requests_served, "requests_received": d.requests_received,
+            "requests_aborted": d.requests_aborted, "prompt_tokens": d.prompt_tokens,
+            "prefix_hit_tokens": d.cached_prompt_tokens,
+            "hit_ratio": d.cached_prompt_tokens / d.prompt_tokens if d.prompt_tokens else 0.0,
+            "prefix_query_tokens": d.prefix_queries, "prefix_lookup_hit_tokens": d.prefix_hits,
+            "generation_tokens": d.generation_tokens, "preemptions": d.preemptions,
+            "steps": d.steps, "busy_time_s": d.busy_time_s, "sim_time_s": elapsed,
+            "utilization": min(1.0, d.busy_time_s / elapsed),
+            "evicted_blocks": e.cache.evictions - self._base_evictions,
+            "running": e.num_running, "waiting": e.num_waiting, "kv_usage": e.kv_usage,
+            "cached_blocks": e.cache.num_cached, "num_blocks": e.cache.num_blocks,
+            "block_size": e.config.block_size, "model": self.model_name,
+            "gpu": e.config.gpu.key, "tensor_parallel_size": e.config.tensor_parallel_size,
+            "speedup": self.speedup, "fault": self.faults.state(),
+        }

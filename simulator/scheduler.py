@@ -1,0 +1,161 @@
+"""Continuous batching with chunked prefill, prefix-cache admission and recompute preemption.
+
+One call to `schedule` decides one engine step, the way vLLM's v1 scheduler does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simulator.config import EngineConfig
+from simulator.kv_cache import PrefixCache, block_hashes
+from simulator.sequence import Sequence, Status, WaitingQueue
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one step computes: tokens per sequence, and the sequences it preempted."""
+
+    items: dict[Sequence, int] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    """Running requests first (each gets its next token or prefill chunk), then admissions.
+
+    - Token budget per step: `max_num_batched_tokens`; a prompt longer than what is left is
+      prefilled in chunks over several steps (chunked prefill).
+    - At most `max_num_seqs` running. A request admitted from the queue reuses the longest
+      cached prefix of full blocks (never the whole prompt: the last token is recomputed).
+    - When a running request needs a block and none is free, the lowest-priority running
+      request (FCFS: the last admitted) is preempted: its blocks are freed, it goes back to
+      the front of the queue and is recomputed later. No admissions in a step that preempted.
+    """
+
+    def __init__(self, config: EngineConfig, cache: PrefixCache) -> None:
+        self.cfg = config
+        self.cache = cache
+        self.bs = config.block_size
+        self.caching = config.enable_prefix_caching
+        self.running: list[Sequence] = []
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.by_priority = config.scheduling_policy == "priority"
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        items = batch.items
+        budget = self.cfg.max_num_batched_tokens
+        bs, caching, running_ = self.bs, self.caching, Status.RUNNING
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not running_:
+                continue  # preempted earlier in this step
+            nc = seq.num_computed
+            n = min(seq.prompt_len + len(seq.output) - nc, budget)
+            if n == 1 and nc < len(seq.blocks) * bs:  # the common decode step: no new block
+                if caching and (nc + 1) % bs == 0:
+                    self._register(seq, nc + 1)
+                items[seq] = 1
+                budget -= 1
+                continue
+            while not self._grow(seq, n):
+                victim = self._victim()
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                budget += items.pop(victim, 0)
+                if victim is seq:
+                    break
+            else:
+                items[seq] = n
+                budget -= n
+        if not batch.preempted:
+            self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: Batch, budget: int) -> None:
+        cache, bs, running, waiting = self.cache, self.bs, self.running, self.waiting
+        while budget > 0 and len(running) < self.cfg.max_num_seqs:
+            seq = waiting.peek()
+            if seq is None:
+                break
+            hit: list[int] = []
+            if self.caching:
+                limit = (seq.num_tokens - 1) // bs
+                self.ensure_hashes(seq, limit)
+                hit = cache.cached_blocks(seq.hashes[:cache.longest_prefix(seq.hashes, limit)])
+            computed = len(hit) * bs
+            n = min(seq.num_tokens - computed, budget)
+            need = -(-(computed + n) // bs) - len(hit)
+            if cache.num_free - cache.count_free_among(hit) < need:
+                break
+            cache.acquire(hit)
+            fresh = cache.allocate(need)
+            assert fresh is not None
+            waiting.pop()
+            seq.blocks = hit + fresh
+            seq.num_computed = computed
+            seq.n_registered = len(hit)
+            self._register(seq, computed + n)
+            seq.status = Status.RUNNING
+            running.append(seq)
+            batch.items[seq] = n
+            batch.admitted.append(seq)
+            budget -= n
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Give `seq` blocks for `n` more tokens; False when the cache has none left."""
+        need = -(-(seq.num_computed + n) // self.bs) - len(seq.blocks)
+        if need > 0:
+            fresh = self.cache.allocate(need)
+            if fresh is None:
+                return False
+            seq.blocks.extend(fresh)
+        self._register(seq, seq.num_computed + n)
+        return True
+
+    def _register(self, seq: Sequence, upto_tokens: int) -> None:
+        """Offer the full blocks this step completes to the prefix cache."""
+        if not self.caching:
+            return
+        full = upto_tokens // self.bs
+        if full <= seq.n_registered:
+            return
+        self.ensure_hashes(seq, full)
+        cache = self.cache
+        for i in range(seq.n_registered, full):
+            cache.register(seq.blocks[i], seq.hashes[i])
+        seq.n_registered = full
+
+    def ensure_hashes(self, seq: Sequence, n_blocks: int) -> None:
+        have = len(seq.hashes)
+        if have >= n_blocks:
+            return
+        bs = self.bs
+        parent = seq.hashes[-1] if have else seq.salt
+        seq.hashes.extend(block_hashes(seq.tokens(have * bs, n_blocks * bs), bs, parent=parent))
+
+    def _victim(self) -> Sequence:
+        if self.by_priority:
+            return max(self.running, key=lambda s: (s.priority, s.arrival_s, s.order))
+        return self.running[-1]
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.release(seq.blocks)
+        seq.blocks = []
+        seq.num_computed = 0
+        seq.n_registered = 0
+        seq.preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.push(seq, front=True)
+
+    def drop(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the engine and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.cache.release(seq.blocks)
+            seq.blocks = []
+        elif seq.status is Status.WAITING:
+            self.waiting.discard(seq)

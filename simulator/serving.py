@@ -1,0 +1,178 @@
+"""Serving one chat or completions request: engine submission, SSE or JSON out, faults applied.
+
+A client that goes away aborts its sequences in the engine, which frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive
+
+from simulator.faults import Fault, FaultSwitch
+from simulator.openai_api import (
+    ApiError, ParsedRequest, bad, full_response, parse_request, stream_chunk, usage,
+    usage_chunk,
+)
+from simulator.runner import EngineRunner
+from simulator.sequence import Sequence
+from simulator.tokenizer import Tokenizer
+
+GARBAGE = b"data: {\"id\": oops \x00\xff not json\n\n"
+Event = tuple[int, int, str | None]  # choice index, token id, finish reason
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def forever() -> None:
+    await asyncio.Event().wait()
+
+
+async def until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class CompletionService:
+    """Everything `/v1/chat/completions` and `/v1/completions` do."""
+
+    def __init__(self, *, runner: EngineRunner, tokenizer: Tokenizer, model_name: str,
+                 faults: FaultSwitch, kill_connection: Callable[[Any], None]) -> None:
+        self.runner = runner
+        self.tok = tokenizer
+        self.model_name = model_name
+        self.faults = faults
+        self.kill_connection = kill_connection
+        cfg = runner.engine.config
+        self.max_model_len = cfg.max_model_len
+        self.priority_ok = cfg.scheduling_policy == "priority"
+        self._ids = itertools.count()
+
+    async def handle(self, request: Request, *, chat: bool) -> Response:
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            raise bad("the request body is not valid JSON") from None
+        req = parse_request(body, self.tok, chat=chat)
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"The model `{req.model}` does not exist.", "model")
+        if req.priority != 0 and not self.priority_ok:
+            raise bad("Priority scheduling is not enabled.", "priority")
+        for prompt in req.prompts:
+            self._check_length(len(prompt), req.max_tokens)
+        fault = self.faults.take()
+        if fault is not None and fault.mode in ("error_503", "error_500"):
+            status = 503 if fault.mode == "error_503" else 500
+            raise ApiError(status, f"simulated fault {fault.mode}")
+        if fault is not None and fault.mode == "slow_first_byte":
+            await asyncio.sleep(fault.delay_s)
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(seq: Sequence) -> None:
+            events.put_nowait((seq.tag, seq.output[-1], seq.finish_reason))
+
+        seqs = [self.runner.submit(f"{req.request_id}-{i}-{next(self._ids)}", prompt,
+                                   max_tokens=req.max_tokens, priority=req.priority,
+                                   cache_salt=req.cache_salt, sink=sink, tag=i)
+                for i, prompt in enumerate(req.prompts)]
+        if req.stream:
+            frames = self._frames(req, seqs, events)
+            return StreamingResponse(self._faulty(frames, fault, request), status_code=200,
+                                     media_type="text/event-stream")
+        return await self._whole(req, seqs, events, fault, request)
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None) -> None:
+        total = prompt_len + (max_tokens or 1)
+        if total > self.max_model_len:
+            raise bad(f"This model's maximum context length is {self.max_model_len} tokens. "
+                      f"However, you requested {total} tokens ({prompt_len} in the messages, "
+                      f"{max_tokens or 0} in the completion). Please reduce the length of the "
+                      "messages or completion.", "input_tokens")
+
+    def _usage(self, seqs: list[Sequence]) -> dict[str, Any]:
+        return usage(sum(s.prompt_len for s in seqs), sum(len(s.output) for s in seqs),
+                     sum(s.cached_tokens for s in seqs))
+
+    def _abort_unfinished(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            if not s.finished:
+                self.runner.abort(s)
+
+    async def _frames(self, req: ParsedRequest, seqs: list[Sequence],
+                      events: asyncio.Queue[Event]) -> AsyncIterator[bytes]:
+        model, open_choices = self.model_name, len(seqs)
+        started: set[int] = set()
+        try:
+            while open_choices:
+                tag, token, reason = await events.get()
+                if req.chat and tag not in started:
+                    started.add(tag)
+                    yield sse(stream_chunk(req, model, tag, None, None, role=True))
+                text = self.tok.decode_filler(token)
+                yield sse(stream_chunk(req, model, tag, text, reason))
+                if reason is not None:
+                    open_choices -= 1
+            if req.include_usage:
+                yield sse(usage_chunk(req, model, self._usage(seqs)))
+            yield b"data: [DONE]\n\n"
+        finally:
+            self._abort_unfinished(seqs)
+
+    async def _faulty(self, frames: AsyncIterator[bytes], fault: Fault | None,
+                      request: Request) -> AsyncIterator[bytes]:
+        """Pass frames through, until a stream fault's `after_chunks` is reached."""
+        try:
+            sent = 0
+            async for frame in frames:
+                if fault is not None and sent >= fault.after_chunks:
+                    if fault.mode == "stall":
+                        await forever()
+                    elif fault.mode == "die_midstream":
+                        self.kill_connection(request.scope.get("client"))
+                        await forever()
+                    elif fault.mode == "garbage_sse":
+                        yield GARBAGE
+                        return
+                yield frame
+                sent += 1
+        finally:
+            await frames.aclose()  # type: ignore[attr-defined]
+
+    async def _whole(self, req: ParsedRequest, seqs: list[Sequence],
+                     events: asyncio.Queue[Event], fault: Fault | None,
+                     request: Request) -> Response:
+        async def collect() -> None:
+            left = len(seqs)
+            while left:
+                if (await events.get())[2] is not None:
+                    left -= 1
+            if fault is not None and fault.mode == "stall":
+                await forever()
+
+        if fault is not None and fault.mode == "die_midstream":
+            self.kill_connection(request.scope.get("client"))
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(until_disconnect(request.receive))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (work, gone):
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            self._abort_unfinished(seqs)
+        if fault is not None and fault.mode == "garbage_sse":
+            return Response(GARBAGE, media_type="application/json")
+        texts = ["".join(self.tok.decode_filler(t) for t in s.output) for s in seqs]
+        reasons = [s.finish_reason or "abort" for s in seqs]
+        body = full_response(req, self.model_name, texts, reasons, self._usage(seqs))
+        return Response(orjson.dumps(body), media_type="application/json")

@@ -1,0 +1,509 @@
+"""Tracing: the spans a request produces, W3C propagation, and how config and OTEL_* pick the exporter.
+
+Spans are checked with an InMemorySpanExporter; OTLP over HTTP is checked against a real loopback sink.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from pydantic import SecretStr, ValidationError
+
+from gateway.tracing import (
+    ATTRIBUTES,
+    SEGMENTS,
+    RequestTrace,
+    Tracing,
+    TracingConfig,
+    TracingError,
+    resolve,
+    resolve_exporter,
+)
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+PARENT_ID = "b7ad6b7169203331"
+INCOMING = f"00-{TRACE_ID}-{PARENT_ID}-01".encode()
+TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+HAS_HTTP = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is not None
+HAS_GRPC = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None
+MS = 1_000_000
+
+
+@pytest.fixture
+def memory() -> Iterator[tuple[Tracing, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(None, exporter=exporter, environ={})
+    yield tracing, exporter
+    tracing.shutdown()
+
+
+def by_name(spans: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan]:
+    return {s.name: s for s in spans}
+
+
+def times(span: ReadableSpan) -> tuple[int, int]:
+    assert span.start_time is not None and span.end_time is not None
+    return span.start_time, span.end_time
+
+
+def started(tracing: Tracing, headers: dict[bytes, bytes] | None = None) -> RequestTrace:
+    rt = tracing.start(headers or {}, time.time_ns())
+    assert rt is not None
+    return rt
+
+
+def test_a_request_with_all_four_segments(memory: tuple[Tracing, InMemorySpanExporter]) -> None:
+    tracing, exporter = memory
+    t0 = time.time_ns()
+    rt = tracing.start({}, t0)
+    assert rt is not None and rt.sampled
+    rt.set(tenant="acme", priority=1, model="llama", pool="chat", missing=None)
+    rt.finish(
+        queue=(t0 + 1 * MS, t0 + 3 * MS),
+        route=(t0 + 3 * MS, t0 + 4 * MS),
+        prefill=(t0 + 5 * MS, t0 + 105 * MS),
+        decode=(t0 + 105 * MS, t0 + 505 * MS),
+        end_ns=t0 + 506 * MS,
+        attrs={
+            "replica": "r1",
+            "policy": "prefix",
+            "route_reason": "prefix_hit",
+            "input_tokens": 812,
+            "prompt_tokens_estimated": 800,
+            "predicted_cached_blocks": 40,
+            "prompt_blocks": 50,
+            "output_tokens": 101,
+            "retries": 1,
+            "replicas_tried": ["r0", "r1"],
+            "status_code": 200,
+        },
+        error_type=None,
+    )
+    spans = by_name(exporter.get_finished_spans())
+    assert set(spans) == {"gateway.request", *SEGMENTS}
+    root = spans["gateway.request"]
+    assert root.kind is SpanKind.SERVER and root.parent is None
+    assert (root.start_time, root.end_time) == (t0, t0 + 506 * MS)
+    assert root.status.status_code is StatusCode.UNSET
+    children = [spans[name] for name in SEGMENTS]
+    for child in children:
+        assert child.parent is not None and child.parent.span_id == root.context.span_id
+        assert child.context.trace_id == root.context.trace_id
+        assert times(root)[0] <= times(child)[0] <= times(child)[1] <= times(root)[1]
+    for before, after in zip(children, children[1:], strict=False):
+        assert times(before)[1] <= times(after)[0]
+    assert times(spans["upstream.prefill"]) == (
+        t0 + 5 * MS,
+        t0 + 105 * MS,
+    )
+    a = root.attributes
+    assert a is not None
+    assert a["gateway.tenant"] == "acme" and a["gen_ai.request.model"] == "llama"
+    assert a["gateway.pool"] == "chat" and a["gateway.replica"] == "r1"
+    assert a["gateway.route.reason"] == "prefix_hit" and a["gateway.policy"] == "prefix"
+    assert a["gen_ai.usage.input_tokens"] == 812 and a["gateway.prompt_tokens.estimated"] == 800
+    assert (
+        a["gateway.prefix.predicted_cached_blocks"] == 40
+        and a["gateway.prefix.prompt_blocks"] == 50
+    )
+    assert a["gateway.replicas_tried"] == ("r0", "r1") and a["gateway.retries"] == 1
+    assert a["gateway.outcome"] == "ok" and a["http.response.status_code"] == 200
+    assert a["gateway.ttft_s"] == pytest.approx(0.105)  # derived: request in → first token
+    assert a["gateway.tpot_s"] == pytest.approx(0.4 / 100)  # derived: decode / (output - 1)
+    assert "error.type" not in a
+
+
+def test_only_given_segments_and_overlaps_are_moved_up(
+    memory: tuple[Tracing, InMemorySpanExporter],
+) -> None:
+    tracing, exporter = memory
+    t0 = time.time_ns()
+    rt = started(tracing)
+    rt.finish(route=(t0, t0 + 10 * MS), prefill=(t0 + 5 * MS, t0 + 8 * MS), end_ns=t0)
+    spans = by_name(exporter.get_finished_spans())
+    assert set(spans) == {"gateway.request", "gateway.route", "upstream.prefill"}
+    prefill = spans["upstream.prefill"]
+    assert prefill.start_time == prefill.end_time == t0 + 10 * MS  # clamped, never overlapping
+    assert spans["gateway.request"].end_time == t0 + 10 * MS  # the root covers its children
+
+
+def test_an_error_sets_status_and_outcome(memory: tuple[Tracing, InMemorySpanExporter]) -> None:
+    tracing, exporter = memory
+    rt = started(tracing)
+    rt.finish(end_ns=time.time_ns(), attrs={"status_code": 504}, error_type="upstream_timeout")
+    rt2 = started(tracing)
+    rt2.finish(end_ns=time.time_ns(), attrs={"status_code": 502})
+    first, second = exporter.get_finished_spans()
+    for span, kind in ((first, "upstream_timeout"), (second, "502")):
+        assert span.status.status_code is StatusCode.ERROR and span.status.description == kind
+        assert span.attributes is not None
+        assert span.attributes["error.type"] == kind
+        assert span.attributes["gateway.outcome"] == "error"
+
+
+def test_outcome_given_by_the_caller_is_kept(memory: tuple[Tracing, InMemorySpanExporter]) -> None:
+    tracing, exporter = memory
+    rt = started(tracing)
+    rt.finish(end_ns=time.time_ns(), attrs={"outcome": "client_disconnected"})
+    rt.finish(end_ns=time.time_ns(), error_type="late")  # a second finish is ignored
+    (root,) = exporter.get_finished_spans()
+    assert (
+        root.attributes is not None and root.attributes["gateway.outcome"] == "client_disconnected"
+    )
+    assert root.status.status_code is StatusCode.UNSET
+
+
+def test_incoming_traceparent_is_continued(memory: tuple[Tracing, InMemorySpanExporter]) -> None:
+    tracing, exporter = memory
+    rt = started(tracing, {b"traceparent": INCOMING, b"tracestate": b"vendor=abc"})
+    assert rt.trace_id == TRACE_ID
+    assert rt.tracestate() == "vendor=abc"
+    rt.finish(prefill=(rt.start_ns, rt.start_ns + MS), end_ns=rt.start_ns + 2 * MS)
+    spans = by_name(exporter.get_finished_spans())
+    root = spans["gateway.request"]
+    assert f"{root.context.trace_id:032x}" == TRACE_ID
+    assert root.parent is not None and f"{root.parent.span_id:016x}" == PARENT_ID
+    assert root.parent.is_remote
+    assert f"{spans['upstream.prefill'].context.trace_id:032x}" == TRACE_ID
+
+
+def test_traceparent_for_upstream_names_the_root_span(
+    memory: tuple[Tracing, InMemorySpanExporter],
+) -> None:
+    tracing, exporter = memory
+    rt = started(tracing)
+    m = TRACEPARENT.match(rt.traceparent())
+    assert m is not None
+    assert m.group(1) == rt.trace_id and int(m.group(3), 16) & 1  # sampled
+    assert rt.tracestate() is None
+    rt.finish(end_ns=time.time_ns())
+    (root,) = exporter.get_finished_spans()
+    assert m.group(2) == f"{root.context.span_id:016x}"
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"garbage", b"ff-" + INCOMING[3:], b"00-" + b"0" * 32 + b"-" + PARENT_ID.encode() + b"-01"],
+)
+def test_an_invalid_traceparent_starts_a_new_trace(
+    memory: tuple[Tracing, InMemorySpanExporter], header: bytes
+) -> None:
+    tracing, _ = memory
+    rt = started(tracing, {b"traceparent": header})
+    assert rt.trace_id not in (TRACE_ID, "0" * 32)
+    assert TRACEPARENT.match(rt.traceparent())
+
+
+def test_set_names_attributes_strictly(memory: tuple[Tracing, InMemorySpanExporter]) -> None:
+    tracing, exporter = memory
+    rt = started(tracing)
+    with pytest.raises(TypeError, match="unknown trace attribute 'replca'"):
+        rt.set(replca="r1")
+    rt.set({"gateway.custom": "x", "pool": "p"}, retries=0)
+    rt.finish(end_ns=time.time_ns())
+    (root,) = exporter.get_finished_spans()
+    assert root.attributes is not None
+    assert root.attributes["gateway.custom"] == "x" and root.attributes["gateway.pool"] == "p"
+    assert root.attributes["gateway.retries"] == 0
+
+
+def test_epoch_ns_converts_perf_counter_readings(
+    memory: tuple[Tracing, InMemorySpanExporter],
+) -> None:
+    tracing, _ = memory
+    rt = started(tracing)
+    assert abs(rt.epoch_ns(time.perf_counter_ns()) - time.time_ns()) < 50 * MS
+
+
+def test_every_documented_attribute_has_a_dotted_name() -> None:
+    assert all("." in name for name in ATTRIBUTES.values())
+    assert len(set(ATTRIBUTES.values())) == len(ATTRIBUTES)
+
+
+@pytest.mark.parametrize(
+    ("config", "environ"),
+    [
+        (None, {}),
+        (TracingConfig(exporter="none"), {"OTEL_TRACES_EXPORTER": "console"}),
+        (None, {"OTEL_TRACES_EXPORTER": "none"}),
+        (None, {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}),
+    ],
+)
+def test_disabled_tracing_starts_nothing(
+    config: TracingConfig | None, environ: dict[str, str]
+) -> None:
+    tracing = Tracing(config, environ=environ)
+    assert not tracing.enabled
+    assert tracing.start({b"traceparent": INCOMING}, time.time_ns()) is None
+    tracing.shutdown()
+
+
+def test_ratio_zero_exports_nothing_but_still_propagates() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(TracingConfig(sampling_ratio=0.0), exporter=exporter, environ={})
+    rt = started(tracing)
+    assert not rt.sampled
+    assert not int(rt.traceparent()[-2:], 16) & 1  # upstream learns the trace is not sampled
+    rt.set(pool="p", bogus_is_not_checked_when_unsampled=1)
+    rt.finish(queue=(rt.start_ns, rt.start_ns + 1), end_ns=rt.start_ns + 2)
+    assert exporter.get_finished_spans() == ()
+    # parent-based: a caller that sampled its trace keeps it whole
+    sampled = started(tracing, {b"traceparent": INCOMING})
+    sampled.finish(end_ns=time.time_ns())
+    assert [s.name for s in exporter.get_finished_spans()] == ["gateway.request"]
+    tracing.shutdown()
+
+
+def test_sampler_from_env() -> None:
+    env = {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"}
+    assert resolve(None, env).sampler.get_description() == "TraceIdRatioBased{0.25}"
+    env = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.5"}
+    assert "TraceIdRatioBased{0.5}" in resolve(None, env).sampler.get_description()
+    assert resolve(None, {"OTEL_TRACES_SAMPLER": "always_off"}).sampler.get_description() == (
+        "AlwaysOffSampler"
+    )
+    default = resolve(None, {}).sampler.get_description()
+    assert default.startswith("ParentBased{root:AlwaysOnSampler")
+    configured = resolve(TracingConfig(sampling_ratio=0.1), {"OTEL_TRACES_SAMPLER": "always_off"})
+    assert "TraceIdRatioBased{0.1}" in configured.sampler.get_description()
+
+
+def test_always_off_from_env_exports_nothing() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(None, exporter=exporter, environ={"OTEL_TRACES_SAMPLER": "always_off"})
+    rt = started(tracing, {b"traceparent": INCOMING})
+    rt.finish(end_ns=time.time_ns())
+    assert exporter.get_finished_spans() == ()
+    tracing.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin'"),
+        ({"OTEL_TRACES_EXPORTER": "otlp,console"}, "OTEL_TRACES_EXPORTER"),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+            "OTEL_EXPORTER_OTLP_PROTOCOL='http/json'",
+        ),
+        ({"OTEL_TRACES_SAMPLER": "jaeger_remote"}, "OTEL_TRACES_SAMPLER='jaeger_remote'"),
+        (
+            {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"},
+            "OTEL_TRACES_SAMPLER_ARG='2'",
+        ),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_HEADERS": "novalue"},
+            "OTEL_EXPORTER_OTLP_HEADERS",
+        ),
+    ],
+)
+def test_bad_environment_values_are_named(environ: dict[str, str], message: str) -> None:
+    with pytest.raises(TracingError, match=re.escape(message)):
+        resolve(None, environ)
+
+
+def test_bad_config_is_refused() -> None:
+    with pytest.raises(ValidationError, match="only to the otlp exporters"):
+        TracingConfig(exporter="console", endpoint="http://collector:4318")
+    with pytest.raises(ValidationError, match="not an http"):
+        TracingConfig(endpoint="collector:4318")
+    with pytest.raises(ValidationError):
+        TracingConfig(sampling_ratio=1.5)
+    with pytest.raises(ValidationError):
+        TracingConfig(exporter="otlp")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError):
+        TracingConfig.model_validate({"exporter": "none", "sample": 1})
+
+
+def test_env_picks_console() -> None:
+    exporter = resolve_exporter(None, {"OTEL_TRACES_EXPORTER": "console"})
+    assert isinstance(exporter, ConsoleSpanExporter)
+    assert resolve_exporter(None, {}) is None
+
+
+@pytest.mark.skipif(not HAS_HTTP, reason="opentelemetry-exporter-otlp-proto-http is not installed")
+def test_env_picks_otlp_http_by_default() -> None:
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    env = {"OTEL_TRACES_EXPORTER": "otlp"}
+    exporter = resolve_exporter(None, env)
+    assert isinstance(exporter, OTLPSpanExporter)
+    exporter.shutdown()  # type: ignore[no-untyped-call]
+    env["OTEL_EXPORTER_OTLP_PROTOCOL"] = "http/protobuf"
+    assert resolve(None, env).exporter == "otlp_http"
+    # config wins over the environment
+    assert resolve(TracingConfig(exporter="console"), env).exporter == "console"
+
+
+def test_env_picks_otlp_grpc() -> None:
+    env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    settings = resolve(None, env)
+    assert settings.exporter == "otlp_grpc" and settings.endpoint == "http://localhost:4317"
+    env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # signal-specific wins
+    assert resolve(None, env).exporter == "otlp_http"
+    if not HAS_GRPC:
+        with pytest.raises(TracingError, match=r"kvgateway\[otlp-grpc\]"):
+            resolve_exporter(TracingConfig(exporter="otlp_grpc"), {})
+        return
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    exporter = resolve_exporter(TracingConfig(exporter="otlp_grpc"), {})
+    assert isinstance(exporter, OTLPSpanExporter)
+    exporter.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("config", "environ", "endpoint"),
+    [
+        (None, {}, "http://localhost:4318/v1/traces"),
+        (None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://col:4318/"}, "http://col:4318/v1/traces"),
+        (
+            None,
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://col:4318",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://tempo/otlp/traces",
+            },
+            "https://tempo/otlp/traces",
+        ),
+        (
+            TracingConfig(endpoint="http://mine:4318"),
+            {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://env:4318/v1/traces"},
+            "http://mine:4318/v1/traces",
+        ),
+        (TracingConfig(endpoint="http://mine:9/custom"), {}, "http://mine:9/custom"),
+    ],
+)
+def test_otlp_http_endpoint(
+    config: TracingConfig | None, environ: dict[str, str], endpoint: str
+) -> None:
+    settings = resolve(config, {"OTEL_TRACES_EXPORTER": "otlp", **environ})
+    assert settings.exporter == "otlp_http" and settings.endpoint == endpoint
+
+
+def test_headers_and_service_name() -> None:
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_HEADERS": "x-generic=1",
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "Authorization=Basic%20abc,x-scope-orgid=team",
+        "OTEL_RESOURCE_ATTRIBUTES": "service.name=from-resource,deployment.environment=prod",
+    }
+    settings = resolve(TracingConfig(headers={"x-scope-orgid": SecretStr("mine")}), env)
+    assert settings.headers == {"authorization": "Basic abc", "x-scope-orgid": "mine"}
+    assert settings.service_name == "from-resource"
+    assert settings.resource["deployment.environment"] == "prod"
+    assert resolve(None, {**env, "OTEL_SERVICE_NAME": "svc"}).service_name == "svc"
+    assert resolve(TracingConfig(service_name="cfg"), env).service_name == "cfg"
+    assert resolve(None, {}).service_name == "kv-gateway"
+    assert resolve(None, {"OTEL_EXPORTER_OTLP_HEADERS": "a=b"}).headers == {}  # exporter none
+    assert "mine" not in repr(TracingConfig(headers={"x": SecretStr("mine")}))
+
+
+def test_instances_are_independent_and_leave_the_global_provider_alone() -> None:
+    before = trace.get_tracer_provider()
+    one, two = InMemorySpanExporter(), InMemorySpanExporter()
+    a = Tracing(TracingConfig(service_name="a"), exporter=one, environ={})
+    b = Tracing(TracingConfig(service_name="b"), exporter=two, environ={})
+    started(a).finish(end_ns=time.time_ns())
+    (span,) = one.get_finished_spans()
+    assert two.get_finished_spans() == ()
+    assert span.resource.attributes["service.name"] == "a"
+    assert trace.get_tracer_provider() is before
+    a.shutdown()
+    b.shutdown()
+    assert a.start({}, time.time_ns()) is None  # after shutdown: nothing more is recorded
+
+
+async def test_aclose_flushes_off_the_event_loop(
+    memory: tuple[Tracing, InMemorySpanExporter],
+) -> None:
+    tracing, _ = memory
+    await tracing.aclose()
+    assert tracing.start({}, time.time_ns()) is None
+
+
+# --- OTLP over HTTP into a real loopback sink --------------------------------------------------
+
+
+@dataclass
+class Sink:
+    port: int
+    posts: list[tuple[str, str, bytes]] = field(default_factory=list)
+
+
+@pytest.fixture
+def sink() -> Iterator[Sink]:
+    received = Sink(0)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length", "0")))
+            received.posts.append((self.path, self.headers.get("content-type", ""), body))
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    received.port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield received
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.mark.skipif(not HAS_HTTP, reason="opentelemetry-exporter-otlp-proto-http is not installed")
+def test_otlp_http_delivers_spans(sink: Sink, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    config = TracingConfig(
+        exporter="otlp_http",
+        endpoint=f"http://127.0.0.1:{sink.port}",
+        headers={"x-token": SecretStr("t")},
+    )
+    tracing = Tracing(config, environ={})
+    assert tracing.enabled
+    t0 = time.time_ns()
+    rt = tracing.start({b"traceparent": INCOMING}, t0)
+    assert rt is not None
+    rt.finish(
+        queue=(t0, t0 + MS),
+        route=(t0 + MS, t0 + 2 * MS),
+        prefill=(t0 + 2 * MS, t0 + 3 * MS),
+        decode=(t0 + 3 * MS, t0 + 4 * MS),
+        end_ns=t0 + 5 * MS,
+        attrs={"pool": "chat"},
+    )
+    tracing.shutdown()  # flushes the batch processor
+    assert sink.posts, "the sink received no export"
+    path, content_type, body = sink.posts[0]
+    assert path == "/v1/traces" and content_type == "application/x-protobuf" and body
+    spans = [
+        span
+        for _, _, raw in sink.posts
+        for rs in ExportTraceServiceRequest.FromString(raw).resource_spans
+        for ss in rs.scope_spans
+        for span in ss.spans
+    ]
+    assert {s.name for s in spans} == {"gateway.request", *SEGMENTS}
+    assert {s.trace_id.hex() for s in spans} == {TRACE_ID}

@@ -1,0 +1,216 @@
+"""A small scriptable OpenAI-speaking upstream for gateway tests (a handler, not a mock).
+
+Modes: ok, error_503, error_500, die_midstream (abort the socket after some chunks), stall
+(send some chunks then hang), slow (sleep before answering), sglang_error (flat error body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+@dataclass
+class Upstream:
+    name: str
+    mode: str = "ok"
+    chunks: int = 8
+    chunk_delay_s: float = 0.0
+    delay_s: float = 0.0
+    model: str = "test-model"
+    calls: int = 0
+    bodies: list[bytes] = field(default_factory=list)
+    headers: list[dict[bytes, bytes]] = field(default_factory=list)
+    cancelled: int = 0
+    completed: int = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path = scope["path"]
+        if path == "/health":
+            await _json(send, 200 if self.mode != "unhealthy" else 503, {"status": "ok"})
+            return
+        if path == "/metrics":
+            await _text(
+                send,
+                200,
+                f'vllm:num_requests_running{{engine="0"}} {self.calls - self.completed}\n',
+            )
+            return
+        if path == "/v1/models":
+            await _json(
+                send, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+            )
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        self.calls += 1
+        self.bodies.append(body)
+        self.headers.append(dict(scope["headers"]))
+        req = orjson.loads(body)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.mode == "error_503":
+            await _json(
+                send,
+                503,
+                {
+                    "error": {
+                        "message": "overloaded",
+                        "type": "ServiceUnavailableError",
+                        "param": None,
+                        "code": 503,
+                    }
+                },
+            )
+            return
+        if self.mode == "error_500":
+            await _json(
+                send,
+                500,
+                {
+                    "error": {
+                        "message": "boom at 10.0.0.7",
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": 500,
+                    }
+                },
+            )
+            return
+        if self.mode == "sglang_error":
+            await _json(
+                send,
+                400,
+                {
+                    "object": "error",
+                    "message": "bad thing",
+                    "type": "BadRequest",
+                    "param": None,
+                    "code": 400,
+                },
+            )
+            return
+        kind = "chat" if path.endswith("chat/completions") else "text"
+        if not req.get("stream"):
+            text = " ".join(f"w{i}" for i in range(self.chunks))
+            choice: dict[str, Any] = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+                if kind == "chat"
+                else {"index": 0, "text": text, "finish_reason": "stop"}
+            )
+            await _json(
+                send,
+                200,
+                {
+                    "id": "cmpl-1",
+                    "object": "chat.completion" if kind == "chat" else "text_completion",
+                    "created": int(time.time()),
+                    "model": req["model"],
+                    "choices": [choice],
+                    "usage": {
+                        "prompt_tokens": 5,
+                        "completion_tokens": self.chunks,
+                        "total_tokens": 5 + self.chunks,
+                    },
+                    "served_by": self.name,
+                },
+            )
+            self.completed += 1
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        try:
+            for i in range(self.chunks):
+                if self.mode == "die_midstream" and i == 2:
+                    raise _Abort
+                if self.mode == "stall" and i == 2:
+                    # hang until the gateway hangs up: uvicorn reports that as http.disconnect
+                    if (await receive())["type"] == "http.disconnect":
+                        self.cancelled += 1
+                        return
+                delta = {"content": f"w{i} "} if i else {"role": "assistant", "content": "w0 "}
+                chunk = {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": req["model"],
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": None}]
+                    if kind == "chat"
+                    else [{"index": 0, "text": f"w{i} ", "finish_reason": None}],
+                }
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"data: " + orjson.dumps(chunk) + b"\n\n",
+                        "more_body": True,
+                    }
+                )
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+            await send(
+                {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+            )
+            self.completed += 1
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        except _Abort:
+            # raising after the response started makes uvicorn drop the connection without the
+            # chunked terminator: the client sees a body that ends early
+            raise RuntimeError("die mid-stream") from None
+
+
+class _Abort(Exception):
+    pass
+
+
+async def _json(send: Any, status: int, data: Any) -> None:
+    body = orjson.dumps(data)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _text(send: Any, status: int, text: str) -> None:
+    body = text.encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"text/plain")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})

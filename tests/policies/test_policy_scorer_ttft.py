@@ -1,0 +1,87 @@
+"""TTFT scorer: a + b * uncached + c * queued, min_ttft / ttft, coefficients learned per replica."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies import Outcome, ReplicaView, RoutedRequest, build_policy
+from policies.scorers.ttft import TTFTScorer
+
+# 1000 prompt tokens in 10 blocks of 100
+REQ = RoutedRequest("r", "m", "m", "p", 1000, tuple(range(10)), 100.0)
+
+
+@pytest.mark.parametrize(
+    ("view", "predicted"),
+    [
+        (ReplicaView("a", hit_blocks=10), 0.1),  # all cached, nothing queued
+        (ReplicaView("b", hit_blocks=0), 0.1 + 1.0),  # prefill 1000 tokens
+        (ReplicaView("c", hit_blocks=5, inflight_prompt_tokens=400), 0.1 + 0.5 + 0.4),
+        (ReplicaView("d", hit_blocks=12), 0.1),  # more hits than blocks: never negative
+    ],
+)
+def test_ttft_prior_prediction(view: ReplicaView, predicted: float) -> None:
+    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1)
+    assert scorer.predict(REQ, view) == pytest.approx(predicted)
+
+
+def test_ttft_score_is_min_over_prediction() -> None:
+    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1)
+    views = [
+        ReplicaView("a", hit_blocks=10),
+        ReplicaView("b"),
+        ReplicaView("c", hit_blocks=5, inflight_prompt_tokens=400),
+    ]
+    scores = scorer.score(REQ, views)
+    assert [scores[v.name] for v in views] == pytest.approx([1.0, 0.1 / 1.1, 0.1])
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("prefill_tokens_per_s", 0), ("base_s", -1), ("prior_weight", 0), ("decay", 1.5)],
+)
+def test_ttft_rejects_bad_options(option: str, value: float) -> None:
+    with pytest.raises(ValueError, match=option):
+        TTFTScorer(**{option: value})
+
+
+def _outcome(replica: str, uncached: int, queued: int, ttft: float | None, ok: bool = True):
+    return Outcome(replica, uncached + 512, 512, 0, queued, ttft, ok=ok)
+
+
+def test_ttft_learning_converges_to_observed_coefficients() -> None:
+    rng = random.Random(3)
+    true = {"fast": (0.03, 1 / 20_000, 1 / 25_000), "slow": (0.08, 1 / 4_000, 1 / 5_000)}
+    scorer = TTFTScorer()  # prior: 0.05 s + 1/8000 s per token, wrong for both
+    for _ in range(400):
+        for name, (a, b, c) in true.items():
+            u, q = rng.randrange(0, 6000), rng.randrange(0, 12_000)
+            noise = rng.gauss(1.0, 0.03)
+            scorer.observe(_outcome(name, u, q, (a + b * u + c * q) * noise))
+    for name, (a, b, c) in true.items():
+        got = scorer.coefficients(name)
+        assert got[1] == pytest.approx(b, rel=0.1), name
+        assert got[2] == pytest.approx(c, rel=0.1), name
+        assert got[0] == pytest.approx(a, abs=0.02), name
+    assert scorer.coefficients("never-seen") == scorer.prior
+
+
+def test_ttft_ignores_failed_and_unknown_outcomes() -> None:
+    scorer = TTFTScorer()
+    scorer.observe(_outcome("a", 1000, 0, None))
+    scorer.observe(_outcome("a", 1000, 0, 9.0, ok=False))
+    scorer.observe(_outcome("a", 1000, 0, float("nan")))
+    assert scorer.coefficients("a") == scorer.prior
+
+
+def test_ttft_policy_learns_to_avoid_a_slow_replica() -> None:
+    policy = build_policy("ttft", seed=1)
+    for _ in range(50):
+        policy.observe(_outcome("slow", 2000, 0, 0.05 + 2000 / 2000))
+        policy.observe(_outcome("fast", 2000, 0, 0.05 + 2000 / 20000))
+    views = [ReplicaView("slow"), ReplicaView("fast")]
+    decision = policy.choose(REQ, views)
+    assert decision.ranked == ["fast", "slow"]
+    assert decision.reason == "ttft"

@@ -1,0 +1,66 @@
+"""Shared test helpers: run any ASGI app on an ephemeral loopback port in the current loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Served:
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], port: int) -> None:
+        self.server = server
+        self.task = task
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_server(app: Any, port: int = 0, lifespan: str = "auto") -> Served:
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        lifespan=lifespan,
+        log_config=None,
+        access_log=False,
+        loop="none",
+        http="httptools",
+        timeout_graceful_shutdown=2,
+    )
+    server = uvicorn.Server(config)
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    for _ in range(2000):  # poll readiness, up to ~10 s
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.005)
+    if task.done():
+        task.result()
+        raise RuntimeError("server exited during startup")
+    if not server.started:
+        raise RuntimeError("server did not start")
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return Served(server, task, bound)
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any, port: int = 0, lifespan: str = "auto") -> AsyncIterator[Served]:
+    served = await start_server(app, port, lifespan)
+    try:
+        yield served
+    finally:
+        await served.stop()
