@@ -1,8 +1,6 @@
-"""Admission: per pool, requests wait for capacity in a queue ordered by priority class, then fair
-share between tenants (virtual finish tags, weighted), then arrival; too long a wait is shed.
+"""Admission: per pool, a wait for capacity ordered by class, tenant fair share, then arrival.
 
-One head at a time: the head is woken when it may proceed, routes and dispatches inside its
-`slot()` block, and only then is the next head considered, so each sees a fresh load picture.
+One head at a time is woken and routes inside its `slot()` block; too long a wait is shed.
 """
 
 from __future__ import annotations

@@ -22,8 +22,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .config import Config
+from .endpoint import ProxyEndpoint, Receive, Scope, Send
 from .errors import GatewayError, MethodNotAllowed, NotFound, error_payload
-from .pipeline import Gateway, ProxyEndpoint, Receive, Scope, Send
+from .pipeline import Pipeline
+from .runtime import Gateway
+from .tracing import Tracing
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -40,9 +43,10 @@ class GatewayApp:
     def __init__(self, gateway: Gateway, rest: Starlette) -> None:
         self.gateway = gateway
         self.rest = rest
+        pipeline = Pipeline(gateway)
         self._proxy = {
-            "/v1/chat/completions": ProxyEndpoint(gateway, "chat"),
-            "/v1/completions": ProxyEndpoint(gateway, "completions"),
+            "/v1/chat/completions": ProxyEndpoint(pipeline, "chat"),
+            "/v1/completions": ProxyEndpoint(pipeline, "completions"),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -95,8 +99,8 @@ class _ModelList:
         return [merged[k] for k in sorted(merged)]
 
 
-def create_app(config: Config) -> GatewayApp:
-    gateway = Gateway(config)
+def create_app(config: Config, *, tracing: Tracing | None = None) -> GatewayApp:
+    gateway = Gateway(config, tracing=tracing)
     models = _ModelList(gateway)
 
     async def health(request: Request) -> Response:

@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from .tracing import TracingConfig
+
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -182,6 +184,7 @@ class IndexConfig(_Strict):
 
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
+    tracing: TracingConfig = TracingConfig()
     pools: dict[str, PoolConfig] = Field(min_length=1)
     routes: tuple[RouteConfig, ...] = ()
     index: IndexConfig = IndexConfig()

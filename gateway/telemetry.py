@@ -34,6 +34,24 @@ LATENCY_BUCKETS = (
     320,
     640,
 )
+TPOT_BUCKETS = (
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+)
+PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 
 
@@ -59,6 +77,44 @@ class Metrics:
             "Time to first token seen by the gateway: request in to first response byte relayed.",
             ["pool", "replica"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "gateway_tpot_seconds",
+            "Mean time per output token of a streamed answer: (last - first chunk) / (tokens - 1).",
+            ["pool", "replica"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_length = Histogram(
+            "gateway_prompt_length_tokens",
+            "Prompt length in tokens (the replica's count when it reports usage, else the estimate).",
+            ["pool"],
+            buckets=PROMPT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "gateway_prompt_tokens_total",
+            "Prompt tokens of answered requests.",
+            ["pool"],
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "gateway_output_tokens_total",
+            "Output tokens of answered requests (from usage).",
+            ["pool"],
+            registry=r,
+        )
+        self.observed_prompt_tokens = Counter(
+            "gateway_observed_prompt_tokens_total",
+            "Prompt tokens of answers whose usage reported cached tokens (denominator of the observed hit ratio).",
+            ["pool"],
+            registry=r,
+        )
+        self.observed_cached_tokens = Counter(
+            "gateway_observed_cached_tokens_total",
+            "Prompt tokens the replica reported served from its prefix cache (usage.prompt_tokens_details.cached_tokens).",
+            ["pool"],
             registry=r,
         )
         self.attempts = Counter(

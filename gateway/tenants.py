@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from .errors import BadRequest, Forbidden, Unauthorized
-from .ratelimit import Rule
+from .ratelimit import Rule, Unit
 
 AuthMode = Literal["required", "off"]
 ANONYMOUS = "anonymous"
@@ -31,22 +31,22 @@ class RateLimits(_Strict):
     """Bucket rates of one scope. `burst_s` is the bucket depth in seconds of its rate; unset, a
     per-second limit holds 1 s and a per-minute limit 60 s (the whole minute may come at once)."""
 
-    requests_per_second: float | None = Field(None, gt=0)
-    requests_per_minute: float | None = Field(None, gt=0)
-    tokens_per_minute: float | None = Field(None, gt=0)
-    burst_s: float | None = Field(None, gt=0)
+    requests_per_second: float | None = Field(default=None, gt=0)
+    requests_per_minute: float | None = Field(default=None, gt=0)
+    tokens_per_minute: float | None = Field(default=None, gt=0)
+    burst_s: float | None = Field(default=None, gt=0)
 
     def rules(self, prefix: str = "") -> list[Rule]:
-        out: list[Rule] = []
-        for per_s, window, unit, name in (
+        scopes: list[tuple[float | None, float, Unit, str]] = [
             (self.requests_per_second, 1.0, "requests", "requests/s"),
             (_per_s(self.requests_per_minute), 60.0, "requests", "requests/min"),
             (_per_s(self.tokens_per_minute), 60.0, "tokens", "tokens/min"),
-        ):
-            if per_s is None:
-                continue
-            depth = max(1.0, per_s * (self.burst_s or window))
-            out.append(Rule(prefix + name, per_s, depth, unit))  # type: ignore[arg-type]
+        ]
+        out: list[Rule] = []
+        for per_s, window, unit, name in scopes:
+            if per_s is not None:
+                depth = max(1.0, per_s * (self.burst_s or window))
+                out.append(Rule(prefix + name, per_s, depth, unit))
         return out
 
 
@@ -80,7 +80,7 @@ class TenantConfig(_Strict):
     priority: str = "interactive"
     allowed_priorities: tuple[str, ...] | None = None  # None: only `priority`
     limits: LimitsConfig = LimitsConfig()
-    weight: float = Field(1.0, gt=0)
+    weight: float = Field(default=1.0, gt=0)
 
     @field_validator("api_keys")
     @classmethod

@@ -399,8 +399,9 @@ class RedisIndex:
         for attempt in (0, 1):
             conn = self._idle.pop() if self._idle else self._new_connection()
             try:
-                await conn.send_packed_command(packed, check_health=False)
-                response = await conn.read_response()
+                async with asyncio.timeout(self._tuning.timeout_s):
+                    await conn.send_packed_command(packed, check_health=False)
+                    response = await conn.read_response()
             except NoScriptError:
                 self._idle.append(conn)
                 if attempt:
@@ -431,8 +432,11 @@ class RedisIndex:
         return packed
 
     def _new_connection(self) -> AbstractConnection:
+        # No socket timeout on the connection itself (it costs a task per send); _call bounds
+        # the whole round trip instead.
         pool = self._redis().connection_pool
-        return pool.connection_class(**pool.connection_kwargs)
+        kwargs = {**pool.connection_kwargs, "socket_timeout": None}
+        return pool.connection_class(**kwargs)
 
     def _local_answer(
         self, scope: str, hashes: Sequence[int], replicas: Sequence[str]

@@ -116,49 +116,62 @@ class Cluster:
                         for i in range(n_replicas)]
 
     def loads(self, t: float) -> list[ReplicaLoad]:
-        return [ReplicaLoad(i, e.num_waiting, e.num_running, e.kv_usage, t)
-                for i, e in enumerate(self.engines)]
+        """What a scrape at virtual time `t` reads from each engine."""
+        out = []
+        for i, e in enumerate(self.engines):
+            e.sync(t)
+            out.append(ReplicaLoad(i, e.num_waiting, e.num_running, e.kv_usage, t))
+        return out
 
 
 async def run(requests: Iterable[SimRequest], cluster: Cluster, router: Router, *,
-              scrape_interval_s: float = 1.0) -> RunResult:
+              scrape_interval_s: float = 1.0, fuse_decode: bool = True) -> RunResult:
     """Replay `requests` through `router` onto `cluster`; deterministic for a given input.
 
     The router sees loads as of the last scrape (every `scrape_interval_s` virtual seconds;
-    0 means live). At equal times arrivals go before step completions.
+    0 means live). At equal times arrivals go before step completions. `fuse_decode` prices
+    stretches of pure decode at once (same result, much faster); off, every step is an event.
     """
     reqs = sorted(requests, key=lambda r: r.arrival_s)
     # A trace holds millions of token ids in long-lived lists; exempt everything that exists
     # now from the cyclic GC, or full collections re-scan them again and again.
     gc.freeze()
     try:
-        return await _run(reqs, cluster, router, scrape_interval_s)
+        return await _run(reqs, cluster, router, scrape_interval_s, fuse_decode)
     finally:
         gc.unfreeze()
 
 
 async def _run(reqs: list[SimRequest], cluster: Cluster, router: Router,
-               scrape_interval_s: float) -> RunResult:
+               scrape_interval_s: float, fuse: bool) -> RunResult:
     engines = cluster.engines
     n = len(engines)
     first_cb: Callable[..., Any] | None = getattr(router, "on_first_token", None)
     finish_cb: Callable[..., Any] | None = getattr(router, "on_finish", None)
-    ends: list[tuple[float, int, int]] = []  # (step end, tie-breaker, replica)
+    ends: list[tuple[float, int, int]] = []  # (step end, push number, replica)
+    current = [0] * n  # push number of each engine's live heap entry; older ones are stale
     records: dict[int, RequestRecord] = {}
     order = {id(r): k for k, r in enumerate(reqs)}
     view = cluster.loads(0.0)
     next_scrape = scrape_interval_s
     pushes = 0
 
-    def start(i: int, t: float) -> None:
+    def push(i: int) -> None:
         nonlocal pushes
-        step = engines[i].begin_step(t)
+        step = engines[i].in_flight
         if step is not None:
             pushes += 1
+            current[i] = pushes
             heapq.heappush(ends, (step.end_s, pushes, i))
+
+    def start(i: int, t: float) -> None:
+        engines[i].begin_step(t, fuse=fuse)
+        push(i)
 
     k, total = 0, len(reqs)
     while k < total or ends:
+        while ends and ends[0][1] != current[ends[0][2]]:
+            heapq.heappop(ends)  # a fused run that was cut short
         t_arrival = reqs[k].arrival_s if k < total else math.inf
         t = min(t_arrival, ends[0][0]) if ends else t_arrival
         if scrape_interval_s > 0 and t >= next_scrape:
@@ -168,12 +181,18 @@ async def _run(reqs: list[SimRequest], cluster: Cluster, router: Router,
         if t_arrival <= t:
             req = reqs[k]
             k += 1
+            for e in engines:
+                e.sync_at = t
             choice = router.route(req, view if scrape_interval_s > 0 else cluster.loads(t))
             if inspect.isawaitable(choice):
                 choice = await choice
             if not isinstance(choice, int) or not 0 <= choice < n:
                 raise ValueError(f"router returned {choice!r} for {req.id}; want 0..{n - 1}")
             engine = engines[choice]
+            if engine.in_flight is not None and engine.in_flight.ends:
+                engine.sync(t)
+                engine.truncate()  # the newcomer may join after the current step
+                push(choice)
             seq = engine.add_request(req.id, req.prompt_tokens, arrival_s=t,
                                      max_tokens=req.max_tokens, priority=req.priority,
                                      hashes=cluster.hasher(req.prompt_tokens))

@@ -5,10 +5,12 @@
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from simulator import decode_runs
 from simulator.config import EngineConfig
 from simulator.kv_cache import PrefixCache, PromptHasher, salt_seed
 from simulator.scheduler import Scheduler
@@ -20,6 +22,9 @@ DEFAULT_FILLER = tuple(range(1000, 1064))
 
 @dataclass(slots=True)
 class Step:
+    """One engine step; or, in the discrete-event mode, a fused run of pure-decode steps
+    whose durations and end times are `durations` / `ends` (this step is their first)."""
+
     start_s: float
     duration_s: float
     items: dict[Sequence, int]
@@ -27,10 +32,12 @@ class Step:
     admitted: list[Sequence]
     prefill_tokens: int = 0
     decode_seqs: int = 0
+    durations: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
 
     @property
     def end_s(self) -> float:
-        return self.start_s + self.duration_s
+        return self.ends[-1] if self.ends else self.start_s + self.duration_s
 
 
 @dataclass(slots=True)
@@ -58,6 +65,7 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self.in_flight: Step | None = None
         self.now_s = 0.0
+        self.sync_at: float | None = None  # discrete-event time; readers catch a run up to it
         self._order = 0
 
     # -- state ----------------------------------------------------------------------------
@@ -71,7 +79,12 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
+        self._catch_up()
         return self.cache.usage
+
+    def _catch_up(self) -> None:
+        if self.sync_at is not None:
+            self.sync(self.sync_at)
 
     @property
     def has_work(self) -> bool:
@@ -85,6 +98,7 @@ class Engine:
         """Tokens of this prompt that a request admitted now would find in the prefix cache."""
         if not self.config.enable_prefix_caching or not token_ids:
             return 0
+        self._catch_up()
         if hashes is None:
             hashes = self.prompt_hashes(token_ids, cache_salt)
         limit = (len(token_ids) - 1) // self.config.block_size
@@ -127,8 +141,13 @@ class Engine:
         return True
 
     # -- steps ----------------------------------------------------------------------------
-    def begin_step(self, now: float) -> Step | None:
-        """Schedule the next step starting at `now`; None when there is nothing to run."""
+    def begin_step(self, now: float, *, fuse: bool = False) -> Step | None:
+        """Schedule the next step starting at `now`; None when there is nothing to run.
+
+        With `fuse` (discrete-event mode only) a pure-decode step is extended into a run of
+        steps that ends at the first finish; `sync` and `truncate` cut it short when
+        something happens to the engine meanwhile.
+        """
         if self.in_flight is not None:
             raise RuntimeError("a step is already in flight")
         self.now_s = max(self.now_s, now)
@@ -167,14 +186,32 @@ class Engine:
         duration = perf.step_time(prefill_s, n_decode, kv_tokens)
         step = Step(self.now_s, duration, batch.items, batch.preempted, batch.admitted,
                     prefill_tokens, n_decode)
+        if fuse and n_decode == len(batch.items) == self.num_running and not batch.admitted:
+            step = decode_runs.plan(self, step, kv_tokens)
         self.in_flight = step
         return step
+
+    def sync(self, t: float) -> None:
+        """Apply the fused steps that end before `t` (the state a step-by-step run has)."""
+        step = self.in_flight
+        if step is not None and step.ends:
+            j = min(bisect.bisect_left(step.ends, t), len(step.ends) - 1)
+            if j > 0:
+                self.in_flight = decode_runs.materialize(self, step, j)
+
+    def truncate(self) -> None:
+        """End a fused run after its current step (a request arrived)."""
+        step = self.in_flight
+        if step is not None and step.ends:
+            step.durations, step.ends = [], []
 
     def end_step(self) -> StepResult:
         """Apply the step in flight: KV computed, one token per caught-up sequence."""
         step = self.in_flight
         if step is None:
             raise RuntimeError("no step in flight")
+        if step.ends:
+            step = decode_runs.materialize(self, step, len(step.ends) - 1)
         self.in_flight = None
         t = self.now_s = step.end_s
         c = self.counters

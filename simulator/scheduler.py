@@ -60,7 +60,7 @@ class Scheduler:
                 items[seq] = 1
                 budget -= 1
                 continue
-            while not self._grow(seq, n):
+            while not self.grow(seq, n):
                 victim = self._victim()
                 self.preempt(victim)
                 batch.preempted.append(victim)
@@ -104,7 +104,7 @@ class Scheduler:
             batch.admitted.append(seq)
             budget -= n
 
-    def _grow(self, seq: Sequence, n: int) -> bool:
+    def grow(self, seq: Sequence, n: int) -> bool:
         """Give `seq` blocks for `n` more tokens; False when the cache has none left."""
         need = -(-(seq.num_computed + n) // self.bs) - len(seq.blocks)
         if need > 0:

@@ -345,3 +345,46 @@ async def test_huge_declared_body_refused_unread() -> None:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # answered with no body sent
         assert head.startswith(b"HTTP/1.1 413")
         writer.close()
+
+
+async def test_trace_segments_and_traceparent_continued() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from gateway import create_app, parse_config
+    from gateway.tracing import Tracing
+    from tests.support import start_server
+
+    up = Upstream("a", chunks=16, chunk_delay_s=0.01)
+    served = await start_server(up)
+    exporter = InMemorySpanExporter()
+    cfg = parse_config({"pools": {"chat": {"replicas": [served.url], "policy": "round_robin"}}})
+    app = create_app(cfg, tracing=Tracing(None, exporter=exporter))
+    gw = await start_server(app, lifespan="on")
+    try:
+        incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        async with httpx.AsyncClient() as h:
+            body = {"model": "m", "messages": CHAT, "stream": True}
+            res = await h.post(gw.url + "/v1/chat/completions", json=body, headers={"traceparent": incoming})
+            assert res.status_code == 200
+    finally:
+        await gw.stop()
+        await served.stop()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root = spans["gateway.request"]
+    assert root.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
+    assert root.parent is not None and root.parent.span_id == 0xB7AD6B7169203331
+    seq = [spans[n] for n in ("gateway.route", "upstream.prefill", "upstream.decode")]
+    for a, b in zip(seq, seq[1:], strict=False):
+        assert a.end_time <= b.start_time
+    for s in seq:
+        assert s.parent.span_id == root.context.span_id
+    prefill, decode = seq[1], seq[2]
+    assert decode.end_time - decode.start_time >= 0.1e9  # 15 gaps of 10 ms
+    attrs = root.attributes
+    assert attrs["gateway.replica"] == "127.0.0.1:" + served.url.rsplit(":", 1)[1]
+    assert attrs["gateway.pool"] == "chat" and attrs["gateway.outcome"] == "ok"
+    assert attrs["gateway.policy"] == "round_robin"
+    # the upstream got a traceparent in the same trace, parented on the gateway's root span
+    sent = up.headers[0][b"traceparent"].decode()
+    assert sent.split("-")[1] == "0af7651916cd43dd8448eb211c80319c"
+    assert sent.split("-")[2] == f"{root.context.span_id:016x}"

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import random
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from policies import POLICY_NAMES, Policy, PolicyConfigError, ReplicaView, RoutedRequest
-from policies import build_policy
+from policies import (
+    POLICY_NAMES,
+    Policy,
+    PolicyConfigError,
+    ReplicaView,
+    RoutedRequest,
+    build_policy,
+)
 from policies.registry import TABLE
 
 REQ = RoutedRequest("r", "m", "m", "p", 1024, tuple(range(16)), 64.0)
@@ -240,6 +247,8 @@ def test_module_attr_escape_hatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         )
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "my_routing", None)  # restored (removed) after the test
+    del sys.modules["my_routing"]
     from_spec = build_policy("my_routing:SPEC")
     decision = from_spec.choose(REQ, [ReplicaView("a"), ReplicaView("b")])
     assert decision.scores["a"] == {"constant": 0.25}
