@@ -65,9 +65,9 @@ class Responses:
         self.json = _head(200, b"application/json", len(body)) + body
 
         def delta(i: int) -> dict[str, object]:
-            d: dict[str, object] = {"content": " token" if i else "token"}
+            d: dict[str, object] = {"content": " token"}
             if i == 0:
-                d["role"] = "assistant"
+                d = {"role": "assistant", "content": "token"}
             return {
                 "id": rid,
                 "object": "chat.completion.chunk",
@@ -153,8 +153,7 @@ class Conn(asyncio.Protocol):
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.t = transport
+        self.t: asyncio.Transport = transport  # type: ignore[assignment]
         self.parser = httptools.HttpRequestParser(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

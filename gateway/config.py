@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from .ratelimit import RateLimitConfig
+from .tenants import AuthMode, PriorityClassConfig, TenantConfig, check_tenants, default_classes
 from .tracing import TracingConfig
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -182,12 +184,33 @@ class IndexConfig(_Strict):
     ttl_s: float | None = Field(600.0, gt=0)
 
 
+class AdmissionConfig(_Strict):
+    shed_status: Literal[429, 503] = 429
+    forward_priority: bool = False  # send the class rank as vLLM's `priority` (lower runs first)
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
-    tracing: TracingConfig = TracingConfig()
     pools: dict[str, PoolConfig] = Field(min_length=1)
     routes: tuple[RouteConfig, ...] = ()
     index: IndexConfig = IndexConfig()
+    auth: AuthMode | None = None  # None: required when any tenant has a key, else off
+    tenants: tuple[TenantConfig, ...] = ()
+    priority_classes: dict[str, PriorityClassConfig] = Field(
+        default_factory=default_classes, min_length=1
+    )
+    ratelimit: RateLimitConfig = RateLimitConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    tracing: TracingConfig = TracingConfig()
+
+    @model_validator(mode="after")
+    def _tenants_consistent(self) -> Config:
+        check_tenants(self.tenants, self.priority_classes)
+        if self.auth == "required" and not any(
+            t.api_keys or t.api_key_sha256 for t in self.tenants
+        ):
+            raise ValueError("auth: 'required' but no tenant has an API key")
+        return self
 
     @model_validator(mode="after")
     def _routes_name_pools(self) -> Config:

@@ -103,10 +103,10 @@ class ProxyEndpoint:
             raw = await read_body(scope, receive, self.max_body)
         except ClientGone:
             ctx.outcome = "client_disconnected"
-            pipeline.finish(ctx, None)
+            await pipeline.finish(ctx, None)
             return
         except GatewayError as exc:  # 413 or a bad Content-Length: the rest of the body is unread
-            pipeline.finish(ctx, exc)
+            await pipeline.finish(ctx, exc)
             await send_error(send, exc, close=True)
             return
 
@@ -148,4 +148,4 @@ class ProxyEndpoint:
         finally:
             state["done"] = True
             watcher.cancel()
-        pipeline.finish(ctx, error)
+        await pipeline.finish(ctx, error)

@@ -28,8 +28,12 @@ from .proxy import (
     send_whole,
     with_stream_usage,
 )
+from .ratelimit import Rule, costs_for, rate_limited
+from .ratelimit import headers as ratelimit_headers
+from .replicas import ReplicaState
 from .runtime import Gateway, Pool
 from .streams import StreamTap
+from .tenants import Tenant, requested_priority
 from .tracing import RequestTrace
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -54,7 +58,14 @@ class Ctx:
     outcome: str = "ok"
     error_type: str | None = None
     tried: list[str] = field(default_factory=list)
+    tenant: str = "anonymous"
+    priority: str = ""
+    charged: list[tuple[Rule, int]] = field(
+        default_factory=list
+    )  # token rules and what was charged
     t_route: int = 0
+    t_queue: int = 0
+    t_admitted: int = 0
     t_routed: int = 0
     t_sent: int = 0
     t_first: int = 0
@@ -74,45 +85,117 @@ class Pipeline:
     async def handle(
         self, kind: Kind, raw: bytes, headers: dict[bytes, bytes], send: Send, ctx: Ctx
     ) -> None:
+        gw = self.gw
+        tenant = gw.tenants.identify(headers.get(b"authorization"))
+        ctx.tenant = tenant.name
         req = parse_body(kind, raw)
         ctx.model, ctx.stream = req.model, req.stream
-        ctx.t_route = time.perf_counter_ns()
-        scope, hashes, tokens = self.hash_prompt(req)
-        pool = self.pick_pool(req, tokens)
-        routed = self.routed_request(req, headers, pool, scope, hashes, tokens)
-        ctx.request_id, ctx.pool, ctx.prompt_tokens = (
-            routed.request_id,
-            pool.name,
-            routed.prompt_tokens,
+        ctx.priority = gw.tenants.priority_for(
+            tenant, requested_priority(headers.get(b"x-priority"), req.body)
         )
-        decision, views = await self.route(pool, routed)
-        ctx.t_routed = time.perf_counter_ns()
-        self.count_decision(pool, routed, decision, ctx)
-        if decision.replica is None:
+        scope, prompt, tokens = self.prompt_of(req)
+        pool = self.pick_pool(req, tokens)
+        ctx.pool, ctx.prompt_tokens = pool.name, tokens
+        rid = headers.get(b"x-request-id")
+        ctx.request_id = rid.decode("latin-1")[:128] if rid else uuid.uuid4().hex
+        extra = [(b"x-request-id", ctx.request_id.encode("latin-1"))]
+        extra += await self.limit(tenant, req, tokens, ctx)
+        if not pool.any_available():
             raise NoReplicaAvailable(
-                f"No replica of pool '{pool.name}' can take the request now ({_why(decision)})",
+                f"No replica of pool '{pool.name}' is available (all circuits open or draining)",
                 retry_after=pool.config.health.interval_s,
             )
-        extra = [(b"x-request-id", routed.request_id.encode("latin-1"))]
+        ctx.t_queue = time.perf_counter_ns()
+        async with gw.admission.slot(
+            pool.name, tenant.name, tenant.weight, ctx.priority, pool.has_capacity
+        ) as waited:
+            ctx.t_admitted = ctx.t_route = time.perf_counter_ns()
+            gw.metrics.queue_wait.labels(pool.name, ctx.priority).observe(waited)
+            routed = self.routed_request(
+                req, headers, pool, scope, self.hash_prompt(scope, prompt), tokens, ctx
+            )
+            decision, views = await self.route(pool, routed)
+            ctx.t_routed = time.perf_counter_ns()
+            self.count_decision(pool, routed, decision, ctx)
+            if decision.replica is None:
+                raise NoReplicaAvailable(
+                    f"No replica of pool '{pool.name}' can take the request now ({_why(decision)})",
+                    retry_after=pool.config.health.interval_s,
+                )
+            first = _Attempt.start(
+                pool, decision.ranked[0], views, routed
+            )  # counted before the next head goes
         if headers.get(b"x-gateway-explain") in (b"1", b"true"):
             extra.append((b"x-gateway-decision", orjson.dumps(decision.explain())))
-        await self.forward(req, routed, pool, decision, views, send, extra, ctx)
+        body = self.upstream_body(req, ctx.priority)
+        await self.forward(req, routed, pool, decision, views, first, body, send, extra, ctx)
+
+    async def limit(
+        self, tenant: Tenant, req: ParsedRequest, tokens: int, ctx: Ctx
+    ) -> list[tuple[bytes, bytes]]:
+        """Charge the tenant's buckets (requests, prompt estimate + max_tokens); 429 when empty."""
+        limiter = self.gw.limiter
+        rules = tenant.rules(req.model) if limiter is not None else []
+        if not rules:
+            return []
+        assert limiter is not None
+        verdict = await limiter.acquire(
+            tenant.name, rules, costs_for(rules, tokens, req.max_tokens)
+        )
+        if not verdict.allowed:
+            for name in verdict.blocked:
+                self.gw.metrics.limited.labels(tenant.name, name).inc()
+            raise rate_limited(verdict, tenant.name)
+        ctx.charged = [(r, tokens + (req.max_tokens or 0)) for r in rules if r.unit == "tokens"]
+        return ratelimit_headers(verdict)
+
+    def upstream_body(self, req: ParsedRequest, priority: str) -> bytes:
+        """The body as sent on: unchanged bytes unless the gateway must add or remove a field."""
+        body = req.raw
+        changes: dict[str, Any] = {}
+        if isinstance(req.body.get("priority"), str):
+            changes["priority"] = None  # a class name is ours; engines expect an integer
+        if self.gw.config.admission.forward_priority:
+            changes["priority"] = self.gw.tenants.vllm_priority(priority)
+        if req.stream and not req.include_usage:
+            if not changes:
+                return with_stream_usage(
+                    req.raw, req.body
+                )  # for our accounting; stripped on the way out
+            changes["stream_options"] = {
+                **(req.body.get("stream_options") or {}),
+                "include_usage": True,
+            }
+        if changes:
+            merged = {**req.body, **changes}
+            body = orjson.dumps(
+                {k: v for k, v in merged.items() if v is not None or k not in changes}
+            )
+        return body
 
     # --- the steps ---------------------------------------------------------------------------
-    def hash_prompt(self, req: ParsedRequest) -> tuple[str, list[int], int]:
-        """The prompt's scope (model + cache salt), chained block hashes and estimated tokens."""
-        chunker = self.gw.chunker
+    def prompt_of(self, req: ParsedRequest) -> tuple[str, str | list[int], int]:
+        """The prompt's scope (model + cache salt), its text (or token ids) and estimated tokens."""
         salt = req.body.get("cache_salt")
         scope = scope_key(req.model, salt=salt if isinstance(salt, str) else None)
         if req.kind == "chat":
             text = render_chat(req.messages)
-            return scope, chunker.hash_text(scope, text), chunker.estimate_tokens(text)
+            return scope, text, self.gw.chunker.estimate_tokens(text)
         prompt = req.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], list | str):
             prompt = prompt[0]  # a batch: route by its first prompt
         if isinstance(prompt, str):
-            return scope, chunker.hash_text(scope, prompt), chunker.estimate_tokens(prompt)
-        return scope, chunker.hash_tokens(scope, prompt), len(prompt)
+            return scope, prompt, self.gw.chunker.estimate_tokens(prompt)
+        return scope, prompt, len(prompt)
+
+    def hash_prompt(self, scope: str, prompt: str | list[int]) -> list[int]:
+        """Chained hashes of the prompt's full blocks."""
+        chunker = self.gw.chunker
+        return (
+            chunker.hash_text(scope, prompt)
+            if isinstance(prompt, str)
+            else chunker.hash_tokens(scope, prompt)
+        )
 
     def routed_request(
         self,
@@ -122,11 +205,11 @@ class Pipeline:
         scope: str,
         hashes: list[int],
         tokens: int,
+        ctx: Ctx,
     ) -> RoutedRequest:
-        rid = headers.get(b"x-request-id")
         session = headers.get(b"x-session-id")
         return RoutedRequest(
-            request_id=rid.decode("latin-1")[:128] if rid else uuid.uuid4().hex,
+            request_id=ctx.request_id,
             model=req.model,
             scope=scope,
             pool=pool.name,
@@ -135,6 +218,8 @@ class Pipeline:
             tokens_per_block=self.gw.chunker.tokens_per_block,
             max_tokens=req.max_tokens,
             session_key=session.decode("latin-1") if session else req.user,
+            priority=ctx.priority,
+            tenant=ctx.tenant,
         )
 
     def pick_pool(self, req: ParsedRequest, prompt_tokens: int) -> Pool:
@@ -163,6 +248,8 @@ class Pipeline:
         pool: Pool,
         decision: Decision,
         views: list[ReplicaView],
+        first: _Attempt,
+        body: bytes,
         send: Send,
         extra: list[tuple[bytes, bytes]],
         ctx: Ctx,
@@ -170,11 +257,6 @@ class Pipeline:
         """Try the ranked replicas in turn until one answers; never retry after the first byte."""
         pc = pool.config
         path = UPSTREAM_PATHS[req.kind]
-        body = req.raw
-        if req.stream and not req.include_usage:
-            body = with_stream_usage(
-                req.raw, req.body
-            )  # for our accounting; stripped on the way out
         up_headers = {
             "content-type": "application/json",
             "accept-encoding": "identity",
@@ -187,17 +269,15 @@ class Pipeline:
             state = ctx.trace.tracestate()
             if state:
                 up_headers["tracestate"] = state
-        by_view = {v.name: v for v in views}
         failures: list[str] = []
         timed_out = False
-        for name in decision.ranked[: pc.retries + 1]:
-            replica, view = pool.by_name[name], by_view[name]
-            hit_tokens = min(routed.prompt_tokens, int(view.hit_blocks * routed.tokens_per_block))
-            uncached = routed.prompt_tokens - hit_tokens
+        attempt: _Attempt | None = first
+        candidates = iter(decision.ranked[1 : pc.retries + 1])
+        while attempt is not None:
+            current = attempt
+            replica, name = current.replica, current.replica.name
             ctx.tried.append(name)
             ctx.t_sent = ctx.t_sent or time.perf_counter_ns()
-            replica.dispatched(uncached)
-            prefilled = False
             try:
                 try:
                     opened = await open_upstream(
@@ -213,11 +293,12 @@ class Pipeline:
                     failures.append(f"{name}: {exc.reason}")
                     timed_out = timed_out or exc.reason.startswith("timeout")
                     self.gw.metrics.attempts.labels(pool.name, name, _attempt_outcome(exc)).inc()
+                    nxt = next(candidates, None)
+                    attempt = _Attempt.start(pool, nxt, views, routed) if nxt else None
                     continue
                 ctx.t_first = time.perf_counter_ns()
                 ctx.replica, ctx.status = name, opened.resp.status
-                replica.prefilled(uncached)
-                prefilled = True
+                attempt.prefilled()
                 await self.deliver(req, routed, pool, opened, send, extra, ctx)
                 ok = opened.resp.status < 500 and ctx.outcome == "ok"
                 replica.succeeded() if ok else replica.failed(f"upstream {ctx.outcome}")
@@ -226,22 +307,22 @@ class Pipeline:
                 )
                 if ttft_s is not None:
                     replica.observe_ttft(ttft_s)
+                v = attempt.view
                 pool.policy.observe(
                     Outcome(
                         name,
                         routed.prompt_tokens,
-                        hit_tokens,
-                        view.load,
-                        view.inflight_prompt_tokens,
+                        attempt.hit_tokens,
+                        v.load,
+                        v.inflight_prompt_tokens,
                         ttft_s,
                         ok=ok,
                     )
                 )
                 return
             finally:
-                if not prefilled:
-                    replica.prefilled(uncached)
-                replica.finished()
+                current.done()
+                self.gw.admission.notify(pool.name)
         detail = "; ".join(failures) if self.gw.config.server.expose_upstream_errors else ""
         n = len(failures)
         if timed_out:
@@ -315,8 +396,17 @@ class Pipeline:
             }
         )
 
-    def finish(self, ctx: Ctx, exc: GatewayError | None) -> None:
-        """Metrics and the trace for one request, whatever happened to it."""
+    async def finish(self, ctx: Ctx, exc: GatewayError | None) -> None:
+        """Metrics, the trace and the rate-limit correction for one request, whatever happened."""
+        if ctx.charged and self.gw.limiter is not None:
+            used = (
+                (ctx.input_tokens or ctx.prompt_tokens) + (ctx.output_tokens or 0)
+                if ctx.replica != "none"
+                else 0
+            )
+            for rule, charged in ctx.charged:
+                if used != charged:
+                    await self.gw.limiter.adjust(ctx.tenant, rule, used - charged)
         m = self.gw.metrics
         now = time.perf_counter_ns()
         if exc is not None:
@@ -324,7 +414,9 @@ class Pipeline:
             m.errors.labels(ctx.pool, exc.type).inc()
         elif ctx.outcome != "ok" and ctx.error_type:
             m.errors.labels(ctx.pool, ctx.error_type).inc()
-        m.requests.labels(ctx.pool, ctx.replica, str(ctx.status or 499)).inc()
+        m.requests.labels(
+            ctx.pool, ctx.replica, str(ctx.status or 499), ctx.priority or "none"
+        ).inc()
         m.duration.labels(ctx.pool).observe((now - ctx.t_in) / 1e9)
         if ctx.replica != "none" and ctx.status == 200:
             pool, replica = ctx.pool, ctx.replica
@@ -354,18 +446,22 @@ class Pipeline:
         tr = ctx.trace
         assert tr is not None
         ep = tr.epoch_ns
+        queue = (ep(ctx.t_queue), ep(ctx.t_admitted)) if ctx.t_admitted else None
         route = (ep(ctx.t_route), ep(ctx.t_routed)) if ctx.t_routed else None
         prefill = (ep(ctx.t_sent), ep(ctx.t_first)) if ctx.t_first else None
         decode = (
             (ep(ctx.t_first), ep(ctx.t_last)) if ctx.stream and ctx.t_last and ctx.t_first else None
         )
         tr.finish(
+            queue=queue,
             route=route,
             prefill=prefill,
             decode=decode,
             end_ns=ep(now),
             attrs={
                 "model": ctx.model,
+                "tenant": ctx.tenant,
+                "priority": ctx.priority or None,
                 "pool": ctx.pool,
                 "replica": ctx.replica if ctx.replica != "none" else None,
                 "policy": ctx.policy or None,
@@ -382,6 +478,43 @@ class Pipeline:
             },
             error_type=ctx.error_type if ctx.outcome != "ok" else None,
         )
+
+
+class _Attempt:
+    """One dispatch to one replica: counted in its in-flight load at once, released exactly once."""
+
+    __slots__ = ("replica", "view", "hit_tokens", "uncached", "_prefilled", "_done")
+
+    def __init__(
+        self, replica: ReplicaState, view: ReplicaView, hit_tokens: int, uncached: int
+    ) -> None:
+        self.replica, self.view, self.hit_tokens, self.uncached = (
+            replica,
+            view,
+            hit_tokens,
+            uncached,
+        )
+        self._prefilled = self._done = False
+        replica.dispatched(uncached)
+
+    @classmethod
+    def start(
+        cls, pool: Pool, name: str, views: list[ReplicaView], routed: RoutedRequest
+    ) -> _Attempt:
+        view = next(v for v in views if v.name == name)
+        hit = min(routed.prompt_tokens, int(view.hit_blocks * routed.tokens_per_block))
+        return cls(pool.by_name[name], view, hit, routed.prompt_tokens - hit)
+
+    def prefilled(self) -> None:
+        if not self._prefilled:
+            self._prefilled = True
+            self.replica.prefilled(self.uncached)
+
+    def done(self) -> None:
+        if not self._done:
+            self._done = True
+            self.prefilled()
+            self.replica.finished()
 
 
 def _why(decision: Decision) -> str:

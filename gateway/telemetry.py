@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .admission import Admission
 from .replicas import CLOSED, HALF_OPEN, OPEN, ReplicaState
 
 # LLM latencies span milliseconds (a cached short prompt) to minutes (a long generation)
@@ -61,8 +62,9 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "gateway_requests_total",
-            "Requests answered, by pool, replica that answered (none when no replica did) and HTTP status.",
-            ["pool", "replica", "status"],
+            "Requests answered, by pool, replica that answered (none when no replica did), HTTP status "
+            "(499: the client went away first) and priority class.",
+            ["pool", "replica", "status", "priority"],
             registry=r,
         )
         self.duration = Histogram(
@@ -149,6 +151,19 @@ class Metrics:
             ["pool"],
             registry=r,
         )
+        self.queue_wait = Histogram(
+            "gateway_queue_wait_seconds",
+            "Time a request waited at the gateway for a replica slot (admission), by pool and class.",
+            ["pool", "priority"],
+            buckets=(0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.limited = Counter(
+            "gateway_ratelimited_total",
+            "Requests refused by a tenant's rate limit, by tenant and the limit that ran out.",
+            ["tenant", "limit"],
+            registry=r,
+        )
         self.errors = Counter(
             "gateway_errors_total",
             "Errors returned to clients, by pool (none before a pool was chosen) and error type.",
@@ -158,6 +173,46 @@ class Metrics:
 
     def watch_replicas(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
         self.registry.register(_ReplicaCollector(replicas))
+
+    def watch_admission(self, admission: Admission) -> None:
+        self.registry.register(_AdmissionCollector(admission))
+
+
+class _AdmissionCollector(Collector):
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._admission.stats()
+        qlen = GaugeMetricFamily(
+            "gateway_queue_length",
+            "Requests waiting at the gateway for a slot.",
+            labels=["pool", "priority"],
+        )
+        oldest = GaugeMetricFamily(
+            "gateway_queue_oldest_wait_seconds",
+            "How long the oldest waiting request has waited.",
+            labels=["pool", "priority"],
+        )
+        for pool, per in st.queues.items():
+            for klass, q in per.items():
+                qlen.add_metric([pool, klass], q.queued)
+                oldest.add_metric([pool, klass], q.oldest_wait_s)
+        admitted = CounterMetricFamily(
+            "gateway_admitted",
+            "Requests admitted to routing, by pool, class and tenant.",
+            labels=["pool", "priority", "tenant"],
+        )
+        for (pool, klass, tenant), n in st.admitted.items():
+            admitted.add_metric([pool, klass, tenant], n)
+        shed = CounterMetricFamily(
+            "gateway_shed",
+            "Requests shed by admission (queue_full or timeout), by pool, class and tenant.",
+            labels=["pool", "priority", "tenant", "reason"],
+        )
+        for (pool, klass, tenant, reason), n in st.shed.items():
+            shed.add_metric([pool, klass, tenant, reason], n)
+        yield from (qlen, oldest, admitted, shed)
 
 
 class _ReplicaCollector(Collector):

@@ -1,1 +1,30 @@
-"""Replica simulator."""
+"""A vLLM-like replica without a GPU: the performance model, the HTTP server, the DES mode.
+
+See docs/simulator.md. Nothing here imports from the gateway, the index or the policies.
+"""
+
+from simulator.config import EngineConfig, OutputLengths, build_config
+from simulator.des import (
+    Cluster,
+    ReplicaLoad,
+    RequestRecord,
+    Router,
+    RunResult,
+    SimRequest,
+    chat_requests,
+    run,
+)
+from simulator.engine import Engine
+from simulator.faults import Fault
+from simulator.fleet import Fleet
+from simulator.perf_model import PerfModel
+from simulator.profiles import GpuProfile, ModelProfile, get_gpu, get_model
+from simulator.replica import Replica
+from simulator.tokenizer import ByteTokenizer, Tokenizer
+
+__all__ = [
+    "ByteTokenizer", "Cluster", "Engine", "EngineConfig", "Fault", "Fleet", "GpuProfile",
+    "ModelProfile", "OutputLengths", "PerfModel", "Replica", "ReplicaLoad", "RequestRecord",
+    "Router", "RunResult", "SimRequest", "Tokenizer", "build_config", "chat_requests",
+    "get_gpu", "get_model", "run",
+]

@@ -9,7 +9,7 @@ import gc
 import heapq
 import inspect
 import math
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,6 +18,7 @@ from simulator.engine import Engine
 from simulator.kv_cache import PromptHasher
 from simulator.profiles import GpuProfile, ModelProfile
 from simulator.stats import percentile
+from simulator.tokenizer import ByteTokenizer, Tokenizer
 
 
 @dataclass(slots=True)
@@ -94,6 +95,26 @@ class RunResult:
             "preemptions": sum(r.preemptions for r in recs),
             "makespan_s": span,
         }
+
+
+class ChatItem(Protocol):
+    """A chat workload entry (as `simulator.workloads` makes them)."""
+
+    @property
+    def arrival_s(self) -> float: ...
+    @property
+    def messages(self) -> Sequence[Mapping[str, Any]]: ...
+    @property
+    def max_tokens(self) -> int: ...
+
+
+def chat_requests(items: Iterable[ChatItem], tokenizer: Tokenizer | None = None,
+                  ) -> list[SimRequest]:
+    """Chat workload entries as SimRequests: messages rendered and tokenized the way a
+    replica's HTTP endpoint would (`meta["item"]` keeps the entry)."""
+    tok = tokenizer or ByteTokenizer()
+    return [SimRequest(f"req-{i}", it.arrival_s, tok.encode(tok.render_chat(it.messages)),
+                       it.max_tokens, meta={"item": it}) for i, it in enumerate(items)]
 
 
 class Router(Protocol):

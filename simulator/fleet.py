@@ -16,7 +16,7 @@ from simulator.replica import Replica
 
 class Fleet:
     """`n` identical replicas. Replica i gets seed `seed + i`, and port `base_port + i`
-    (ephemeral when `base_port` is None). A restarted replica keeps its port and starts
+    (ephemeral when `base_port` is None or 0). A restarted replica keeps its port and starts
     empty: cold cache, zeroed stats, no fault."""
 
     def __init__(self, n: int = 4, model: str | ModelProfile = "qwen2.5-14b",
@@ -45,7 +45,7 @@ class Fleet:
     async def __aenter__(self) -> Fleet:
         try:
             for i in range(self.n):
-                port = 0 if self.base_port is None else self.base_port + i
+                port = self.base_port + i if self.base_port else 0
                 replica = self._replica(i, port)
                 self.replicas.append(replica)
                 await replica.start()

@@ -33,10 +33,10 @@ def block_hashes(tokens: Sequence[int], block_size: int, *, parent: int = 0,
     raw = array("q", tokens[start_block * block_size:end * block_size]).tobytes()
     step = block_size * 8
     out: list[int] = []
-    h = parent
+    append, h = out.append, parent
     for off in range(0, len(raw), step):
-        h = _xxh64(raw[off:off + step], seed=h)
-        out.append(h)
+        h = _xxh64(raw[off:off + step], h)  # the second argument is the seed
+        append(h)
     return out
 
 

@@ -5,7 +5,7 @@ Formulas are the ones DESIGN.md and the seeds give; every figure is per replica 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from simulator.profiles import GB, GpuProfile, ModelProfile
 
@@ -35,11 +35,24 @@ class PerfModel:
     step_overhead_s: float = 0.001
     prefill_attention: bool = False
 
+    # derived once in __post_init__: the step-time functions run on every simulated step
+    prefill_s_per_token: float = field(init=False, repr=False)
+    weight_read_s: float = field(init=False, repr=False)
+    kv_read_s_per_token: float = field(init=False, repr=False)
+
     def __post_init__(self) -> None:
         if self.tp not in TP_CHOICES:
             raise ValueError(f"tensor_parallel_size must be one of {TP_CHOICES}, got {self.tp}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        flops, bandwidth = self.effective_flops, self.effective_bandwidth
+        derived = {
+            "prefill_s_per_token": 2.0 * self.model.params / flops,
+            "weight_read_s": self.model.weight_bytes / bandwidth,
+            "kv_read_s_per_token": self.kv_bytes_per_token_per_gpu * self.tp / bandwidth,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     # -- memory ---------------------------------------------------------------------------
     @property
@@ -91,18 +104,6 @@ class PerfModel:
     @property
     def effective_bandwidth(self) -> float:
         return self.gpu.hbm_bytes_per_s * self.gpu.mbu * self._scale
-
-    @property
-    def prefill_s_per_token(self) -> float:
-        return 2.0 * self.model.params / self.effective_flops
-
-    @property
-    def weight_read_s(self) -> float:
-        return self.model.weight_bytes / self.effective_bandwidth
-
-    @property
-    def kv_read_s_per_token(self) -> float:
-        return self.kv_bytes_per_token_per_gpu * self.tp / self.effective_bandwidth
 
     def attention_s(self, new_tokens: int, context: int) -> float:
         """Attention FLOPs of `new_tokens` appended after `context` cached/computed tokens."""

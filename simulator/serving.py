@@ -18,7 +18,13 @@ from starlette.types import Receive
 
 from simulator.faults import Fault, FaultSwitch
 from simulator.openai_api import (
-    ApiError, ParsedRequest, bad, full_response, parse_request, stream_chunk, usage,
+    ApiError,
+    ParsedRequest,
+    bad,
+    full_response,
+    parse_request,
+    stream_chunk,
+    usage,
     usage_chunk,
 )
 from simulator.runner import EngineRunner

@@ -64,3 +64,13 @@ async def serving(app: Any, port: int = 0, lifespan: str = "auto") -> AsyncItera
         yield served
     finally:
         await served.stop()
+
+
+async def poll_until(cond: Any, timeout_s: float = 10.0, every_s: float = 0.01) -> None:
+    """Poll `cond()` until it is true (state owned by another task or process); fail after timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():  # noqa: ASYNC110 - the condition lives in code that offers no event to wait on
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(every_s)

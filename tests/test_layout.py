@@ -43,6 +43,14 @@ def test_public_surfaces() -> None:
     import policies
     import prefix_index
 
-    assert set(gateway.__all__) == {"Config", "ConfigError", "create_app", "load_config", "parse_config"}
-    assert {"Policy", "build_policy", "PolicyConfigError", "RoutedRequest", "ReplicaView"} <= set(policies.__all__)
+    assert set(gateway.__all__) == {
+        "Config",
+        "ConfigError",
+        "create_app",
+        "load_config",
+        "parse_config",
+    }
+    assert {"Policy", "build_policy", "PolicyConfigError", "RoutedRequest", "ReplicaView"} <= set(
+        policies.__all__
+    )
     assert {"PrefixIndex", "open_index"} <= set(prefix_index.__all__)

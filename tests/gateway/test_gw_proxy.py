@@ -342,7 +342,9 @@ async def test_huge_declared_body_refused_unread() -> None:
             b"content-length: 1000000000\r\n\r\n"
         )
         await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # answered with no body sent
+        head = await asyncio.wait_for(
+            reader.readuntil(b"\r\n\r\n"), 5
+        )  # answered with no body sent
         assert head.startswith(b"HTTP/1.1 413")
         writer.close()
 
@@ -364,7 +366,9 @@ async def test_trace_segments_and_traceparent_continued() -> None:
         incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
         async with httpx.AsyncClient() as h:
             body = {"model": "m", "messages": CHAT, "stream": True}
-            res = await h.post(gw.url + "/v1/chat/completions", json=body, headers={"traceparent": incoming})
+            res = await h.post(
+                gw.url + "/v1/chat/completions", json=body, headers={"traceparent": incoming}
+            )
             assert res.status_code == 200
     finally:
         await gw.stop()

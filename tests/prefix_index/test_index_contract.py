@@ -48,7 +48,12 @@ async def test_match_counts_leading_blocks_per_replica(
     await index.record(S, "r1", A)
     await index.record(S, "r2", A[:4])
     await index.record(S, "r3", B)
-    assert await index.match(S, A, ["r1", "r2", "r3", "r4"]) == {"r1": 12, "r2": 4, "r3": 5, "r4": 0}
+    assert await index.match(S, A, ["r1", "r2", "r3", "r4"]) == {
+        "r1": 12,
+        "r2": 4,
+        "r3": 5,
+        "r4": 0,
+    }
     assert await index.match(S, B, ["r1", "r3"]) == {"r1": 5, "r3": 12}
     assert await index.match(S, A[:3], ["r1"]) == {"r1": 3}
     assert await index.match(S, A + chain(9, 3), ["r1"]) == {"r1": 12}
@@ -58,14 +63,6 @@ async def test_scopes_never_share_blocks(kind: str, make_index: Callable[..., An
     index = make_index(kind, ttl_s=None)
     await index.record(S, "r1", A)
     assert await index.match(OTHER, A, ["r1"]) == {"r1": 0}
-
-
-async def test_a_chain_not_starting_at_block_zero_matches_nothing(
-    kind: str, make_index: Callable[..., Any]
-) -> None:
-    index = make_index(kind, ttl_s=None)
-    await index.record(S, "r1", A)
-    assert await index.match(S, A[3:], ["r1"]) == {"r1": 0}
 
 
 async def test_lru_evicts_leaves_before_the_prefixes_they_hang_from(

@@ -1,0 +1,99 @@
+"""`python -m simulator`: start N simulated replicas and serve until SIGINT or SIGTERM.
+
+The only place in the package that parses argv, installs signal handlers or exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Sequence
+
+from simulator.config import OutputLengths
+from simulator.fleet import Fleet
+from simulator.profiles import load_gpus, load_models
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m simulator",
+                                description="Simulated vLLM replicas (no GPU needed).")
+    p.add_argument("--replicas", type=int, default=1, help="how many replicas (default 1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9001,
+                   help="port of replica 0; replica i listens on port+i (0: ephemeral)")
+    p.add_argument("--model", default="qwen2.5-14b", help=f"one of {sorted(load_models())}")
+    p.add_argument("--gpu", default="a100-80g", help=f"one of {sorted(load_gpus())}")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients send (default: the profile name)")
+    p.add_argument("--speedup", type=float, default=1.0,
+                   help="simulated seconds per wall second (default 1: real time)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context window (default: the model profile's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="GPUs per replica (default: the fewest that fit the model)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    p.add_argument("--output-len", default=str(OutputLengths()),
+                   help="output length when a request sets no max_tokens: fixed:N, "
+                        "uniform:LO:HI or exponential:MEAN (default %(default)s)")
+    p.add_argument("--step-overhead-ms", type=float, default=1.0,
+                   help="fixed CPU cost per engine step (default 1 ms)")
+    p.add_argument("--prefill-attention", action="store_true",
+                   help="add attention FLOPs (quadratic in context) to prefill time")
+    return p
+
+
+def fleet_from_args(args: argparse.Namespace) -> Fleet:
+    return Fleet(
+        n=args.replicas, model=args.model, gpu=args.gpu, speedup=args.speedup, seed=args.seed,
+        base_port=args.port, host=args.host, served_model_name=args.served_model_name,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        output_lengths=OutputLengths.parse(args.output_len),
+        step_overhead_s=args.step_overhead_ms / 1000.0,
+        prefill_attention=args.prefill_attention,
+    )
+
+
+async def serve(fleet: Fleet) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with fleet:
+        cfg = fleet.config
+        for i, r in enumerate(fleet.replicas):
+            print(f"replica {i} {r.url} model={r.model_name} gpu={cfg.gpu.key} "
+                  f"tp={cfg.tensor_parallel_size} kv_blocks={cfg.num_blocks} "
+                  f"block_size={cfg.block_size} speedup={fleet.speedup:g}", flush=True)
+        await stop.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        fleet = fleet_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
+        runner = asyncio.Runner()
+    with runner, contextlib.suppress(KeyboardInterrupt):
+        runner.run(serve(fleet))
+    return 0
