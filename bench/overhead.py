@@ -1,21 +1,24 @@
 """What the gateway costs: the same load straight at a zero-latency upstream and through the gateway.
 
-Gateway on one core, upstream and load generator on the other; each load runs direct and through
-every gateway variant side by side, repeated, medians printed as ratios and differences. See
-docs/overhead.md for how to read the table.
+The gateway runs on one CPU, the upstream (bench/zero_upstream.py) and this load generator on the
+other; every load runs direct and through each gateway variant side by side, repeated, and the table
+prints medians of ratios and differences. docs/overhead.md says how to read it.
 
-    .venv/bin/python -m bench.overhead            # ~3 min
-    .venv/bin/python -m bench.overhead --quick    # ~35 s, one repeat, short windows
+    .venv/bin/python -m bench.overhead             # ~2.5 min
+    .venv/bin/python -m bench.overhead --quick     # ~35 s
+    .venv/bin/python -m bench.overhead --quick --only sat stream --profile /tmp/prof   # py-spy
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -23,8 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,32 +42,32 @@ TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 MODEL = "bench-model"  # routed to the unpaced replicas
 PACED_MODEL = "bench-paced"  # routed to the paced replicas
 
-# goals from the issue
+# the issue's goals
 GOAL_STREAM_RATIO = 0.8
 GOAL_CPU_PER_REQ_US = 500.0
 GOAL_ADDED_P50_MS = 1.0
 GOAL_TTFT_MS = 1.0
 
 
-# --- gateway variants: one row per variant under each load ---------------------------------------
+# --- gateway variants: one row each under every load ---------------------------------------------
 @dataclass(frozen=True)
 class Variant:
-    """A gateway configuration to measure: a name and a deep-merge over the base config."""
+    """A gateway configuration to measure: a name and a deep merge over the base config."""
 
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
 def variants(args: argparse.Namespace, sink_url: str) -> list[Variant]:
-    """The rows to measure. A telemetry on/off pair is one more entry per policy."""
-    base = [
+    """The gateway rows. A telemetry on/off pair is one more entry per policy (see --tracing)."""
+    out = [
         Variant(p, {"pools": {"zero": {"policy": p}, "paced": {"policy": p}}})
         for p in args.policies
     ]
-    if args.tracing == "otlp":  # the hook for the lead's OpenTelemetry config
+    if args.tracing == "otlp":
         otlp = {"tracing": {"exporter": "otlp_http", "endpoint": sink_url, "sampling_ratio": 1.0}}
-        base += [Variant(v.name + "+otlp", _merge(v.overrides, otlp)) for v in base]
-    return base
+        out += [Variant(v.name + "+otlp", _merge(v.overrides, otlp)) for v in out]
+    return out
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -77,7 +79,7 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def gateway_config(port: int, ports: list[int], paced: list[int], v: Variant) -> dict[str, Any]:
     pool = {
-        "max_inflight_per_replica": 4096,  # never the limit here: the bench measures overhead
+        "max_inflight_per_replica": 4096,  # never the limit: the bench measures overhead
         "health": {"interval_s": 2},
         "scrape": {"interval_s": 1},
     }
@@ -102,15 +104,18 @@ class Load:
     key: str
     label: str
     stream: bool
-    concurrency: int = 0  # closed loop: this many connections, each sends again when answered
-    rate: float = 0.0  # open loop: Poisson arrivals per second (set at run time)
+    concurrency: int = 0  # closed loop: this many connections, each sends again once answered
+    rate: float = 0.0  # open loop: Poisson arrivals per second (set from the `sat` rows)
     paced: bool = False
-    seconds: float = 3.0
-    stagger: bool = False  # spread the first sends over one response time (paced streams)
+    seconds: float = 1.5
+    stagger: bool = False  # spread the first sends over one response time (long paced streams)
+
+
+LOAD_KEYS = ("sat", "stream", "paced", "half", "ttft")
 
 
 def chat_bodies(n: int, stream: bool, model: str, size: int = 2048) -> list[bytes]:
-    """n distinct ~2 KB chat bodies: one shared system prompt, a distinct user turn each."""
+    """n distinct ~2 KB chat bodies: one shared system prompt, a different user turn each."""
     rng = random.Random(1234)
     words = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(8000)).split()
     system = "You are a helpful assistant. " + " ".join(words[:200])
@@ -126,10 +131,9 @@ def chat_bodies(n: int, stream: bool, model: str, size: int = 2048) -> list[byte
             "temperature": 0.0,
             "stream": stream,
         }
-        room = size - len(orjson.dumps(body))
         rng.shuffle(words)
-        filler = " ".join(words)[: max(0, room)]
-        body["messages"][1]["content"] += filler
+        room = max(0, size - len(orjson.dumps(body)))
+        body["messages"][1]["content"] += " ".join(words)[:room]
         out.append(orjson.dumps(body))
     return out
 
@@ -144,21 +148,21 @@ def http_requests(port: int, bodies: list[bytes]) -> list[bytes]:
 
 # --- CPU accounting ----------------------------------------------------------------------------
 def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds; 1/CLK_TCK resolution."""
+    """utime + stime of a process, all threads, in seconds (1/CLK_TCK resolution)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) * TICK_S
 
 
 def core_busy_s() -> dict[int, float]:
-    """Busy seconds of each CPU (everything but idle and iowait), from /proc/stat."""
+    """Busy seconds of each CPU (all but idle and iowait), from /proc/stat."""
     out = {}
     with open("/proc/stat", "rb") as f:
         for line in f:
             if line.startswith(b"cpu") and line[3:4].isdigit():
                 name, *vals = line.split()
-                v = [int(x) for x in vals]
-                out[int(name[3:])] = (sum(v[:8]) - v[3] - v[4]) * TICK_S
+                v = [int(x) for x in vals[:8]]
+                out[int(name[3:])] = (sum(v) - v[3] - v[4]) * TICK_S
     return out
 
 
@@ -173,17 +177,17 @@ def snapshot(pids: dict[str, int]) -> Snapshot:
     return Snapshot(time.perf_counter(), {k: proc_cpu_s(p) for k, p in pids.items()}, core_busy_s())
 
 
-# --- the load generator: raw keep-alive HTTP/1.1 connections, parsed by httptools -----------------
+# --- the load generator: raw keep-alive HTTP/1.1 connections parsed by httptools -----------------
 class _Conn(asyncio.Protocol):
     """One keep-alive client connection; tells its Run when each answer is complete."""
 
-    __slots__ = ("run", "t", "parser", "t0", "t_first", "tail")
+    __slots__ = ("run", "t", "parser", "busy", "t0", "t_first", "tail")
 
     def __init__(self, run: Run) -> None:
         self.run = run
         self.parser = httptools.HttpResponseParser(self)
-        self.t0 = 0
-        self.t_first = 0
+        self.busy = False
+        self.t0 = self.t_first = 0
         self.tail = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -198,16 +202,18 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if not self.t_first:
             self.t_first = time.perf_counter_ns()
-        self.tail = (self.tail + body)[-16:] if len(body) < 16 else body
+        self.tail = body if len(body) >= 16 else (self.tail + body)[-16:]
 
     def on_message_complete(self) -> None:
         now = time.perf_counter_ns()
         ok = self.parser.get_status_code() == 200
         if self.run.stream:
             ok = ok and self.tail.endswith(b"[DONE]\n\n")
+        self.busy = False
         self.run.done(self, now, ok)
 
-    def send(self, request: bytes, t0: int = 0) -> None:
+    def send(self, request: bytes, t0: int) -> None:
+        self.busy = True
         self.t_first = 0
         self.tail = b""
         self.t0 = t0 or time.perf_counter_ns()
@@ -215,7 +221,7 @@ class _Conn(asyncio.Protocol):
 
 
 class Run:
-    """One measured load against one target: keeps the connections busy and records every answer."""
+    """One load against one target: keeps its connections busy, records every answer."""
 
     def __init__(self, requests: list[bytes], stream: bool, closed_loop: bool) -> None:
         self.requests = requests
@@ -225,29 +231,30 @@ class Run:
         self.stopping = False
         self.inflight = 0
         self.idle: list[_Conn] = []
-        self.backlog: deque[int] = deque()  # open loop: arrival times waiting for a connection
+        self.backlog: collections.deque[int] = collections.deque()  # open loop: waiting arrivals
         self.starts: list[int] = []
         self.firsts: list[int] = []
         self.ends: list[int] = []
         self.errors = 0
         self.drained = asyncio.Event()
-
-    def _next(self) -> bytes:
-        self.i += 1
-        return self.requests[self.i % len(self.requests)]
+        self.answered = asyncio.Event()
 
     def send(self, c: _Conn, t0: int = 0) -> None:
+        if self.stopping or c.t.is_closing():
+            return
+        self.i += 1
         self.inflight += 1
-        c.send(self._next(), t0)
+        c.send(self.requests[self.i % len(self.requests)], t0)
 
     def arrive(self) -> None:
         if self.idle:
             self.send(self.idle.pop())
-        else:
+        else:  # latency counts from the arrival, not from when a connection came free
             self.backlog.append(time.perf_counter_ns())
 
     def done(self, c: _Conn, now: int, ok: bool) -> None:
         self.inflight -= 1
+        self.answered.set()
         if ok:
             self.starts.append(c.t0)
             self.firsts.append(c.t_first)
@@ -265,28 +272,43 @@ class Run:
             self.idle.append(c)
 
     def lost(self, c: _Conn) -> None:
-        if c.t0 and c in self.idle:
+        if c.busy:
+            c.busy = False
+            self.errors += 1
+            self.inflight -= 1
+            self.answered.set()
+            if self.stopping and not self.inflight:
+                self.drained.set()
+        if c in self.idle:
             self.idle.remove(c)
 
 
 @dataclass
 class Window:
-    """What one (load, target) measurement saw over its timed window."""
+    """What one (load, target) measurement saw during its timed window."""
 
     n: int
     errors: int
     seconds: float
     lat_ms: list[float]
     ttft_ms: list[float]
-    cpu_s: dict[str, float]  # per process over the window
-    cores_s: dict[int, float]  # per core over the window
+    cpu_s: dict[str, float]  # per process
+    cores_s: dict[int, float]  # per CPU
 
     @property
     def rps(self) -> float:
         return self.n / self.seconds
 
-    def cpu_per_req_us(self, who: str) -> float:
-        return self.cpu_s.get(who, float("nan")) / max(self.n, 1) * 1e6
+    def us_per_req(self, *who: str) -> float:
+        return sum(self.cpu_s.get(w, float("nan")) for w in who) / max(self.n, 1) * 1e6
+
+    def share(self, *who: str) -> float:
+        """CPU used by these processes, in % of one CPU."""
+        return sum(self.cpu_s.get(w, 0.0) for w in who) / self.seconds * 100
+
+    def other(self, cpu: int, *ours: str) -> float:
+        """CPU `cpu` was busy with other processes than ours, in %."""
+        return self.cores_s.get(cpu, 0.0) / self.seconds * 100 - self.share(*ours)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -301,27 +323,23 @@ async def measure(
 ) -> Window:
     loop = asyncio.get_running_loop()
     run = Run(requests, load.stream, closed_loop=load.concurrency > 0)
-    n_conns = load.concurrency or 64
-    conns = []
-    for i in range(n_conns):
+    conns: list[_Conn] = []
+    for i in range(load.concurrency or 64):
         _, c = await loop.create_connection(
             lambda: _Conn(run), "127.0.0.1", targets[i % len(targets)]
         )
         conns.append(c)
-    t_start = time.perf_counter()
-    end_at = t_start + warmup_s + load.seconds
+    end_at = time.perf_counter() + warmup_s + load.seconds
     feeder = None
     if run.closed_loop:
         spread = 0.0
-        if load.stagger:  # one probe to learn how long a response takes, then spread the starts
-            run.stopping = True
+        if load.stagger:  # time one response, then start the connections spread over that time
+            run.closed_loop = False
             run.send(conns[0])
-            await run.drained.wait()
+            await run.answered.wait()
             spread = (run.ends[-1] - run.starts[-1]) / 1e9 if run.ends else 0.0
-            run.stopping = False
-            run.drained.clear()
-            run.starts.clear(), run.firsts.clear(), run.ends.clear()
-            run.errors = 0
+            run.starts.clear(), run.firsts.clear(), run.ends.clear(), run.idle.clear()
+            run.errors, run.closed_loop = 0, True
         for c in conns:
             loop.call_later(random.random() * spread, run.send, c)
     else:
@@ -353,7 +371,7 @@ async def measure(
 
 
 async def _arrivals(run: Run, rate: float, end_at: float) -> None:
-    """Poisson arrivals at `rate`/s; timers fire on the loop's ~1 ms grid, late ones go at once."""
+    """Poisson arrivals at `rate`/s (seeded); a timer that fires late sends what is due at once."""
     rng = random.Random(99)
     nxt = time.perf_counter()
     while True:
@@ -373,10 +391,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _pin(pid: int, cpu: int) -> None:
+def _pin(pid: int, cpu: int, nice: int) -> None:
+    """Pin every thread of `pid` to `cpu` (threads started later inherit it)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(int(tid), {cpu})
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
 
 
 @dataclass
@@ -387,64 +408,120 @@ class Procs:
     gateways: dict[str, tuple[subprocess.Popen[bytes], int]] = field(default_factory=dict)
 
     def stop(self) -> None:
-        for p, _ in self.gateways.values():
+        procs = [p for p, _ in self.gateways.values()] + [self.upstream]
+        for p in procs:
             p.terminate()
-        self.upstream.terminate()
-        for p in [self.upstream, *(p for p, _ in self.gateways.values())]:
+        for p in procs:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
 
 
-def start_upstream(args: argparse.Namespace, cpu: int) -> tuple[subprocess.Popen[bytes], Any]:
+def start_upstream(args: argparse.Namespace, cpu: int) -> Procs:
     cmd = [sys.executable, "-m", "bench.zero_upstream", "--ports", str(args.replicas)]
     cmd += ["--paced-ports", str(args.replicas), "--chunks", str(args.chunks)]
     cmd += ["--chunk-delay-ms", str(args.chunk_delay_ms)]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE)
-    _pin(p.pid, cpu)
+    _pin(p.pid, cpu, args.nice)
     assert p.stdout is not None
-    return p, orjson.loads(p.stdout.readline())
+    ports = orjson.loads(p.stdout.readline())
+    return Procs(p, ports["ports"], ports["paced_ports"])
 
 
 def start_gateway(
-    v: Variant, cfg: dict[str, Any], workdir: Path, cpu: int, src: Path | None
+    v: Variant, cfg: dict[str, Any], workdir: Path, args: argparse.Namespace, cpu: int
 ) -> subprocess.Popen[bytes]:
-    """The gateway through its CLI; `src` puts another checkout's packages first on the path."""
+    """The gateway through its CLI; --gateway-src puts another checkout's packages first."""
     path = workdir / f"gateway-{v.name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd, env = [str(GATEWAY_BIN)], None
-    if src is not None:
+    env = {k: x for k, x in os.environ.items() if not k.startswith("OTEL_")}  # config decides
+    cmd = [str(GATEWAY_BIN)]
+    if args.gateway_src is not None:
         cmd = [sys.executable, "-m", "gateway"]
-        env = {**os.environ, "PYTHONPATH": str(src.resolve())}
+        env["PYTHONPATH"] = str(args.gateway_src.resolve())
     check = subprocess.run(
-        [*cmd, "check", "--config", str(path)], capture_output=True, text=True, env=env
+        [*cmd, "check", "--config", str(path)], capture_output=True, text=True, env=env, cwd="/"
     )
     if check.returncode != 0:
         raise RuntimeError(f"variant {v.name}: the gateway rejects its config:\n{check.stderr}")
     log = open(workdir / f"gateway-{v.name}.log", "wb")  # noqa: SIM115 - lives with the process
     p = subprocess.Popen([*cmd, "--config", str(path)], stdout=log, stderr=log, env=env, cwd="/")
-    _pin(p.pid, cpu)
+    _pin(p.pid, cpu, args.nice)
     return p
 
 
 def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
-    """Poll /ready (every replica probed healthy) rather than sleeping a guess."""
+    """Poll /ready (every replica probed healthy) instead of sleeping a guess."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"gateway on :{port} exited with {proc.returncode}")
-        try:
+        with contextlib.suppress(OSError):
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
                 if r.status == 200:
                     return
-        except OSError:
-            pass
         time.sleep(0.1)
     raise RuntimeError(f"gateway on :{port} not ready after {timeout_s}s")
 
 
-# --- the plan, the table, the goals ----------------------------------------------------------------
+# --- profiling (optional): py-spy on the gateway during its timed windows --------------------------
+class Profiler:
+    def __init__(self, out: Path | None, cpu: int, native: bool) -> None:
+        self.out = out
+        self.cpu = cpu
+        self.native = native
+        self.spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+        self.files: list[Path] = []
+
+    def start(self, pid: int, name: str, seconds: float) -> subprocess.Popen[bytes] | None:
+        if self.out is None:
+            return None
+        path = self.out / f"{name}.txt"
+        cmd = [self.spy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds)))]
+        cmd += ["--rate", "250", "--format", "raw", "--output", str(path)]
+        cmd += ["--native"] if self.native else ["--nonblocking"]
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _pin(p.pid, self.cpu, 0)
+        self.files.append(path)
+        return p
+
+    def summary(self, top: int = 12) -> str:
+        out = []
+        for path in self.files:
+            if path.exists():
+                out.append(summarize_stacks(path, top))
+        return "\n".join(out)
+
+
+def summarize_stacks(path: Path, top: int) -> str:
+    """Self and inclusive share per function (lines merged) of a py-spy raw (collapsed) file."""
+    own: collections.Counter[str] = collections.Counter()
+    incl: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        frames = [
+            f.rsplit(":", 1)[0] + ")" if f.endswith(")") and ":" in f else f
+            for f in stack.split(";")
+            if not f.startswith(("process ", "thread "))
+        ]
+        if frames:
+            own[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    lines = [f"profile {path.name}: {total} samples (Runner.run self = event loop in C + epoll)"]
+    lines += [f"  self {100 * n / total:5.1f}%  {f}" for f, n in own.most_common(top)]
+    ours = [(f, n) for f, n in incl.most_common() if "gateway/" in f or "prefix_index/" in f]
+    lines += [f"  incl {100 * n / total:5.1f}%  {f}" for f, n in ours[:top]]
+    return "\n".join(lines)
+
+
+# --- the plan, the run, the table --------------------------------------------------------------------
 @dataclass
 class Plan:
     loads: list[Load]
@@ -454,25 +531,27 @@ class Plan:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     secs = 1.0 if args.quick else args.seconds
-    c, cp = args.concurrency, args.paced_concurrency
-    ch, d = args.chunks, args.chunk_delay_ms
-    loads = [
-        Load("sat", f"non-stream  c={c}", stream=False, concurrency=c, seconds=secs),
-        Load("stream", f"stream {ch}ch c={c}", stream=True, concurrency=c, seconds=secs),
-        Load(
+    c, cp, ch, d = args.concurrency, args.paced_concurrency, args.chunks, args.chunk_delay_ms
+    loads = {
+        "sat": Load("sat", f"non-stream c={c}", False, concurrency=c, seconds=secs),
+        "stream": Load("stream", f"stream {ch}ch c={c}", True, concurrency=c, seconds=secs),
+        "paced": Load(
             "paced",
             f"stream {ch}ch@{d:g}ms c={cp}",
-            stream=True,
+            True,
             concurrency=cp,
             paced=True,
             seconds=secs * 1.5,
             stagger=True,
         ),
-        Load("half", "non-stream  50% sat", stream=False, seconds=secs),
-        Load("ttft", "TTFT stream c=1", stream=True, concurrency=1, seconds=secs * 0.7),
-    ]
+        "half": Load("half", "non-stream 50% of sat", False, seconds=secs),
+        "ttft": Load("ttft", "TTFT stream c=1", True, concurrency=1, seconds=secs),
+    }
+    keys = set(args.only or LOAD_KEYS)
+    if "half" in keys:
+        keys.add("sat")  # its rate is half the measured saturation
     return Plan(
-        loads=loads,
+        loads=[loads[k] for k in LOAD_KEYS if k in keys],
         repeats=1 if args.quick else args.repeats,
         warmup_s=0.3 if args.quick else 0.5,
     )
@@ -485,29 +564,41 @@ async def run_all(
     plan: Plan,
     procs: Procs,
     vs: list[Variant],
-    bodies: dict[tuple[bool, bool], list[bytes]],
     logs: Path,
+    prof: Profiler,
 ) -> tuple[Results, dict[str, float]]:
+    bodies = {
+        (s, paced): chat_bodies(256, s, PACED_MODEL if paced else MODEL)
+        for s in (False, True)
+        for paced in (False, True)
+    }
     results: Results = {}
     rates: dict[str, float] = {}
     names = ["direct"] + [v.name for v in vs]
     for rep in range(plan.repeats):
         for load in plan.loads:
             if load.key == "half":
-                base = statistics.median(w.rps for w in results[("sat", vs[0].name)])
-                load = dataclasses.replace(load, rate=0.5 * base)
+                sat = statistics.median(w.rps for w in results[("sat", vs[0].name)])
+                load = dataclasses.replace(load, rate=0.5 * sat)
                 rates["half"] = load.rate
-            order = names if rep % 2 == 0 else names[::-1]  # alternate, so drift hits both sides
-            for who in order:
+            for who in names if rep % 2 == 0 else names[::-1]:  # alternate against drift
                 pids = {"upstream": procs.upstream.pid, "generator": os.getpid()}
+                spy = None
                 if who == "direct":
                     targets = procs.paced if load.paced else procs.ports
                 else:
                     proc, port = procs.gateways[who]
-                    targets = [port]
-                    pids["gateway"] = proc.pid
+                    targets, pids["gateway"] = [port], proc.pid
+                    if rep == 0 and load.key in ("sat", "stream", "paced"):
+                        spy = prof.start(
+                            proc.pid, f"{load.key}-{who}", plan.warmup_s + load.seconds
+                        )
                 reqs = http_requests(targets[0], bodies[(load.stream, load.paced)])
                 w = await measure(load, targets, reqs, pids, plan.warmup_s)
+                if spy is not None:
+                    spy.wait()
+                results.setdefault((load.key, who), []).append(w)
+                _progress(rep, plan, load, who, w)
                 if w.errors or not w.n:
                     log = logs / f"gateway-{who}.log"
                     tail = log.read_text()[-3000:] if log.exists() else ""
@@ -515,197 +606,215 @@ async def run_all(
                     if not w.n:
                         raise RuntimeError(msg)
                     print(f"bench.overhead: warning: {msg}", file=sys.stderr)
-                results.setdefault((load.key, who), []).append(w)
-                print(
-                    f"  [{rep + 1}/{plan.repeats}] {load.label:<24} {who:<16} "
-                    f"{w.rps:8.0f} req/s  p50 {pct(w.lat_ms, 0.5):7.2f} ms  errors {w.errors}",
-                    file=sys.stderr,
-                )
     return results, rates
 
 
-def med(xs: Iterator[float] | list[float]) -> float:
+def _progress(rep: int, plan: Plan, load: Load, who: str, w: Window) -> None:
+    print(
+        f"  [{rep + 1}/{plan.repeats}] {load.label:<24} {who:<16} {w.rps:8.0f} req/s"
+        f"  p50 {pct(w.lat_ms, 0.5):8.2f} ms  gateway {w.share('gateway'):4.0f}% CPU",
+        file=sys.stderr,
+    )
+
+
+def med(xs: Iterable[float]) -> float:
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
 
 
-def report(
-    plan: Plan,
-    res: Results,
-    rates: dict[str, float],
-    vs: list[Variant],
-    args: argparse.Namespace,
-    cpus: tuple[int, int],
-) -> str:
-    gcpu, lcpu = cpus
-    out: list[str] = []
-    w = out.append
-    hdr = (
-        f"{'load':<24} {'path':<16} {'req/s':>8} {'xdirect':>8} {'p50 ms':>7} {'p99 ms':>7} "
-        f"{'+p50 ms':>8} {'+p99 ms':>8} {'gw us/req':>9} {'us/chunk':>8} {'gw core':>7} "
-        f"{'load core':>9}"
+@dataclass
+class Row:
+    """Medians over the repeats of one (load, path) cell; paired with the same repeat's direct run."""
+
+    rps: float
+    p50: float
+    p99: float
+    load_core: float
+    other_gw: float
+    ratio: float = float("nan")
+    cpu_ratio: float = float("nan")
+    add50: float = float("nan")
+    add99: float = float("nan")
+    gw_us: float = float("nan")
+    gw_core: float = float("nan")
+
+
+def row(load: Load, ws: list[Window], ds: list[Window], gcpu: int, direct: bool) -> Row:
+    def lat(w: Window) -> list[float]:
+        return w.ttft_ms if load.key == "ttft" else w.lat_ms
+
+    r = Row(
+        rps=med(w.rps for w in ws),
+        p50=med(pct(lat(w), 0.5) for w in ws),
+        p99=med(pct(lat(w), 0.99) for w in ws),
+        load_core=med(w.share("generator", "upstream") for w in ws),
+        other_gw=med(w.other(gcpu, "gateway") for w in ws),
     )
-    w(hdr)
-    w("-" * len(hdr))
+    if direct:
+        return r
+    pairs = list(zip(ws, ds, strict=True))
+    r.ratio = med(g.rps / d.rps for g, d in pairs)
+    r.cpu_ratio = med(
+        d.us_per_req("generator", "upstream") / g.us_per_req("gateway") for g, d in pairs
+    )
+    r.add50 = med(pct(lat(g), 0.5) - pct(lat(d), 0.5) for g, d in pairs)
+    r.add99 = med(pct(lat(g), 0.99) - pct(lat(d), 0.99) for g, d in pairs)
+    r.gw_us = med(w.us_per_req("gateway") for w in ws)
+    r.gw_core = med(w.share("gateway") for w in ws)
+    return r
+
+
+def _f(x: float, fmt: str, width: int) -> str:
+    return f"{x:{fmt}}".rjust(width) if x == x else "".rjust(width)
+
+
+def report(
+    plan: Plan, res: Results, rates: dict[str, float], vs: list[Variant], args: argparse.Namespace
+) -> str:
+    gcpu = args.gateway_cpu
+    hdr = (
+        f"{'load':<24} {'path':<14} {'req/s':>7} {'x direct':>8} {'x cpu':>6} {'p50 ms':>7} "
+        f"{'p99 ms':>7} {'+p50 ms':>8} {'+p99 ms':>8} {'gw us/req':>9} {'us/chunk':>8} "
+        f"{'gw cpu':>6} {'other':>6} {'load cpu':>8}"
+    )
+    out = [hdr, "-" * len(hdr)]
+    rows: dict[tuple[str, str], Row] = {}
     for load in plan.loads:
-        direct = res[(load.key, "direct")]
-        label = load.label
-        if load.key == "half":
-            label = f"non-stream {rates['half']:.0f}/s"
+        ds = res[(load.key, "direct")]
+        label = f"non-stream {rates['half']:.0f}/s" if load.key == "half" else load.label
         for who in ["direct"] + [v.name for v in vs]:
-            ws = res[(load.key, who)]
-            use_ttft = load.key == "ttft"
-
-            def lat(win: Window, use_ttft: bool = use_ttft) -> list[float]:
-                return win.ttft_ms if use_ttft else win.lat_ms
-
-            p50 = med(pct(lat(x), 0.5) for x in ws)
-            p99 = med(pct(lat(x), 0.99) for x in ws)
-            rps = med(x.rps for x in ws)
-            load_core = med(
-                (x.cpu_s["upstream"] + x.cpu_s["generator"]) / x.seconds * 100 for x in ws
+            r = rows[(load.key, who)] = row(load, res[(load.key, who)], ds, gcpu, who == "direct")
+            chunk = r.gw_us / args.chunks if load.stream and load.key != "ttft" else float("nan")
+            cpu_x = r.cpu_ratio if load.key in ("sat", "stream") else float("nan")
+            out.append(
+                f"{label if who == 'direct' else '':<24} {who:<14} {r.rps:7.0f} "
+                f"{_f(r.ratio, '.2f', 8)} {_f(cpu_x, '.2f', 6)} {r.p50:7.2f} {r.p99:7.2f} "
+                f"{_f(r.add50, '+.2f', 8)} {_f(r.add99, '+.2f', 8)} {_f(r.gw_us, '.0f', 9)} "
+                f"{_f(chunk, '.1f', 8)} {_f(r.gw_core, '.0f', 5)}% {r.other_gw:5.0f}% "
+                f"{r.load_core:7.0f}%"
             )
-            if who == "direct":
-                w(
-                    f"{label:<24} {who:<16} {rps:8.0f} {'':>8} {p50:7.2f} {p99:7.2f} "
-                    f"{'':>8} {'':>8} {'':>9} {'':>8} {'':>7} {load_core:8.0f}%"
-                )
-                continue
-            ratio = med(g.rps / d.rps for g, d in zip(ws, direct, strict=True))
-            add50 = med(pct(lat(g), 0.5) - pct(lat(d), 0.5) for g, d in zip(ws, direct, strict=True))
-            add99 = med(
-                pct(lat(g), 0.99) - pct(lat(d), 0.99) for g, d in zip(ws, direct, strict=True)
-            )
-            per_req = med(x.cpu_per_req_us("gateway") for x in ws)
-            per_chunk = f"{per_req / args.chunks:8.1f}" if load.stream and not use_ttft else ""
-            gw_core = med(x.cpu_s["gateway"] / x.seconds * 100 for x in ws)
-            cpu_col = f"{per_req:9.0f}" if not use_ttft else ""
-            w(
-                f"{'':<24} {who:<16} {rps:8.0f} {ratio:8.2f} {p50:7.2f} {p99:7.2f} "
-                f"{add50:+8.2f} {add99:+8.2f} {cpu_col:>9} {per_chunk:>8} {gw_core:6.0f}% "
-                f"{load_core:8.0f}%"
-            )
-    w("")
-    w(_bottleneck(res, vs, args, gcpu, lcpu))
-    w("")
-    w(_goals(res, vs))
+    out += ["", _notes(res, rows, vs, args), "", _goals(rows, vs)]
     return "\n".join(out)
 
 
-def _bottleneck(
-    res: Results, vs: list[Variant], args: argparse.Namespace, gcpu: int, lcpu: int
-) -> str:
-    d = res[("sat", "direct")]
-    g = res[("sat", vs[0].name)]
-    gen = med(x.cpu_per_req_us("generator") for x in d)
-    up = med(x.cpu_per_req_us("upstream") for x in d)
-    gw = med(x.cpu_per_req_us("gateway") for x in g)
-    sgen = med(x.cpu_per_req_us("generator") for x in res[("stream", "direct")])
-    sup = med(x.cpu_per_req_us("upstream") for x in res[("stream", "direct")])
-    sgw = med(x.cpu_per_req_us("gateway") for x in res[("stream", vs[0].name)])
-    windows = [x for ws in res.values() for x in ws]
-
-    def other(core: int, procs: list[str]) -> float:
-        return med(
-            (x.cores_s.get(core, 0.0) - sum(x.cpu_s.get(p, 0.0) for p in procs)) / x.seconds * 100
-            for x in windows
+def _notes(res: Results, rows: dict[tuple[str, str], Row], vs: list[Variant], args: Any) -> str:
+    lines = []
+    if ("sat", "direct") in res:
+        d = res[("sat", "direct")]
+        gen, up = (
+            med(w.us_per_req("generator") for w in d),
+            med(w.us_per_req("upstream") for w in d),
         )
-
-    return (
-        f"load-side cost per request (direct runs, CPU {lcpu}): non-stream generator {gen:.0f} us "
-        f"+ upstream {up:.0f} us vs gateway {gw:.0f} us; stream generator {sgen:.0f} us + upstream "
-        f"{sup:.0f} us vs gateway {sgw:.0f} us\n"
-        f"other processes' load, median over windows: CPU {gcpu} (gateway) "
-        f"{other(gcpu, ['gateway']):.0f}%, CPU {lcpu} (load) "
-        f"{other(lcpu, ['generator', 'upstream']):.0f}%"
+        gw = rows[("sat", vs[0].name)].gw_us
+        lines.append(
+            f"load side, non-stream direct: generator {gen:.0f} us + upstream {up:.0f} us of CPU per "
+            f"request vs the gateway's {gw:.0f} us: the generator is not what limits the gateway rows"
+        )
+    if ("stream", "direct") in res and ("sat", "direct") in res:
+        for v in vs:
+            marginal = (rows[("stream", v.name)].gw_us - rows[("sat", v.name)].gw_us) / args.chunks
+            lines.append(f"{v.name}: marginal gateway CPU per streamed chunk {marginal:.1f} us")
+    windows = [w for ws in res.values() for w in ws]
+    other_gw = med(w.other(args.gateway_cpu, "gateway") for w in windows)
+    other_load = med(w.other(args.load_cpu, "generator", "upstream") for w in windows)
+    lines.append(
+        f"other processes on the gateway CPU: median {other_gw:.0f}% of it, on the load CPU "
+        f"{other_load:.0f}%"
     )
+    if other_gw > 15:
+        lines.append(
+            "WARNING: the gateway shared its CPU with other work; req/s, latency and TTFT rows are "
+            "pessimistic (CPU per request and 'x cpu' much less so)"
+        )
+    return "\n".join(lines)
 
 
-def _goals(res: Results, vs: list[Variant]) -> str:
-    def verdict(ok: bool) -> str:
-        return "PASS" if ok else "FAIL"
+def _goals(rows: dict[tuple[str, str], Row], vs: list[Variant]) -> str:
+    def line(text: str, value: float, ok: bool, fmt: str = "7.2f") -> str:
+        verdict = "PASS" if ok else "FAIL"
+        return f"  {text:<58} {value:{fmt}}  {verdict if value == value else 'n/a'}"
 
-    rows = []
+    out = ["goals (medians over repeats)"]
     for v in vs:
-        n = v.name
+        out.append(f"[{v.name}]")
 
-        def ratio(key: str, n: str = n) -> float:
-            return med(
-                g.rps / d.rps for g, d in zip(res[(key, n)], res[(key, "direct")], strict=True)
-            )
+        def get(key: str, attr: str, name: str = v.name) -> float:
+            r = rows.get((key, name))
+            return getattr(r, attr) if r is not None else float("nan")
 
-        def added(key: str, ttft: bool, n: str = n) -> float:
-            pairs = zip(res[(key, n)], res[(key, "direct")], strict=True)
-            if ttft:
-                return med(pct(g.ttft_ms, 0.5) - pct(d.ttft_ms, 0.5) for g, d in pairs)
-            return med(pct(g.lat_ms, 0.5) - pct(d.lat_ms, 0.5) for g, d in pairs)
-
-        s, p = ratio("stream"), ratio("paced")
-        cpu = med(x.cpu_per_req_us("gateway") for x in res[("sat", n)])
-        half = added("half", False)
-        ttft = added("ttft", True)
-        rows += [
-            f"[{n}]",
-            f"  stream req/s through gateway >= {GOAL_STREAM_RATIO} x direct, unpaced:"
-            f" {s:6.2f}   {verdict(s >= GOAL_STREAM_RATIO)}",
-            f"  stream req/s through gateway >= {GOAL_STREAM_RATIO} x direct, paced:  "
-            f" {p:6.2f}   {verdict(p >= GOAL_STREAM_RATIO)}",
-            f"  gateway CPU per non-streamed request <= {GOAL_CPU_PER_REQ_US:.0f} us:    "
-            f" {cpu:6.0f}   {verdict(cpu <= GOAL_CPU_PER_REQ_US)}",
-            f"  added p50 at half saturation <= {GOAL_ADDED_P50_MS} ms:              "
-            f" {half:6.2f}   {verdict(half <= GOAL_ADDED_P50_MS)}",
-            f"  TTFT difference at c=1 <= {GOAL_TTFT_MS} ms:                    "
-            f" {ttft:6.2f}   {verdict(ttft <= GOAL_TTFT_MS)}",
+        s, p = get("stream", "ratio"), get("paced", "ratio")
+        cpu, half, ttft = get("sat", "gw_us"), get("half", "add50"), get("ttft", "add50")
+        out += [
+            line(f"stream req/s >= {GOAL_STREAM_RATIO} x direct (unpaced)", s, s >= 0.8),
+            line(f"stream req/s >= {GOAL_STREAM_RATIO} x direct (paced)", p, p >= 0.8),
+            line(
+                f"gateway CPU per non-streamed request <= {GOAL_CPU_PER_REQ_US:.0f} us",
+                cpu,
+                cpu <= GOAL_CPU_PER_REQ_US,
+                "7.0f",
+            ),
+            line(
+                f"added p50 at half saturation <= {GOAL_ADDED_P50_MS:g} ms",
+                half,
+                half <= GOAL_ADDED_P50_MS,
+            ),
+            line(f"added TTFT p50 at c=1 <= {GOAL_TTFT_MS:g} ms", ttft, ttft <= GOAL_TTFT_MS),
         ]
-    return "goals (medians over repeats)\n" + "\n".join(rows)
+    return "\n".join(out)
 
 
 # --- main --------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench.overhead", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one repeat of 1 s windows (~35 s)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seconds", type=float, default=2.5, help="timed window per measurement")
-    p.add_argument("--concurrency", type=int, default=32, help="closed-loop connections")
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=1.5, help="timed window per measurement")
+    p.add_argument("--only", nargs="+", choices=LOAD_KEYS, help="run only these loads")
+    p.add_argument("--concurrency", type=int, default=32, help="connections for sat and stream")
     p.add_argument("--paced-concurrency", type=int, default=128)
     p.add_argument("--chunks", type=int, default=64, help="SSE chunks per streamed response")
     p.add_argument("--chunk-delay-ms", type=float, default=5.0, help="pace of the paced stream")
     p.add_argument("--replicas", type=int, default=3, help="upstream ports per pool")
-    p.add_argument(
-        "--policies", nargs="+", default=["round_robin", "prefix_aware"], help="gateway variants"
-    )
+    p.add_argument("--policies", nargs="+", default=["round_robin", "prefix_aware"])
     p.add_argument(
         "--tracing",
         choices=["off", "otlp"],
         default="off",
-        help="otlp: add a telemetry-on row per policy (OTLP/HTTP to the upstream's sink)",
+        help="otlp: add a tracing-on row per policy, OTLP/HTTP to the upstream's /v1/traces sink",
     )
     p.add_argument("--gateway-cpu", type=int, help="CPU for the gateway (default: first allowed)")
-    p.add_argument("--load-cpu", type=int, help="CPU for upstream + generator (default: second)")
+    p.add_argument("--load-cpu", type=int, help="CPU for upstream and generator (default: second)")
+    p.add_argument("--nice", type=int, default=0, help="niceness for every bench process")
     p.add_argument(
         "--gateway-src",
         type=Path,
-        help="run the gateway package found in this directory (e.g. a `git archive` of another "
-        "commit) instead of the installed one",
+        help="run the gateway package in this directory (e.g. a `git archive` of another commit)",
     )
+    p.add_argument("--profile", type=Path, help="py-spy the gateway's timed windows into this dir")
+    p.add_argument("--profile-native", action="store_true", help="py-spy --native (pauses it)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < 2 and (args.gateway_cpu is None or args.load_cpu is None):
+    if args.gateway_cpu is None:
+        args.gateway_cpu = allowed[0]
+    if args.load_cpu is None:
+        args.load_cpu = next((c for c in allowed if c != args.gateway_cpu), args.gateway_cpu)
+    if args.load_cpu == args.gateway_cpu:
         print("bench.overhead: needs two CPUs (gateway on one, load on the other)", file=sys.stderr)
         return 2
-    gcpu = allowed[0] if args.gateway_cpu is None else args.gateway_cpu
-    lcpu = allowed[1] if args.load_cpu is None else args.load_cpu
-    os.sched_setaffinity(0, {lcpu})
+    os.sched_setaffinity(0, {args.load_cpu})
+    if args.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, args.nice)
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     plan = make_plan(args)
     t_begin = time.monotonic()
-    up, ports = start_upstream(args, lcpu)
-    procs = Procs(up, ports["ports"], ports["paced_ports"])
-    sink = f"http://127.0.0.1:{procs.ports[0]}"
-    vs = variants(args, sink)
+    procs = start_upstream(args, args.load_cpu)
+    vs = variants(args, f"http://127.0.0.1:{procs.ports[0]}")
+    prof = Profiler(args.profile, args.load_cpu, args.profile_native)
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         try:
             kept = []
@@ -713,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
                 port = _free_port()
                 cfg = gateway_config(port, procs.ports, procs.paced, v)
                 try:
-                    proc = start_gateway(v, cfg, Path(tmp), gcpu, args.gateway_src)
+                    proc = start_gateway(v, cfg, Path(tmp), args, args.gateway_cpu)
                 except RuntimeError as exc:
                     print(f"bench.overhead: skipping {exc}", file=sys.stderr)
                     continue
@@ -723,19 +832,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             for proc, port in procs.gateways.values():
                 wait_ready(port, proc)
-                _pin(proc.pid, gcpu)  # threads started since launch
-            bodies = {
-                (s, paced): chat_bodies(256, s, PACED_MODEL if paced else MODEL)
-                for s in (False, True)
-                for paced in (False, True)
-            }
-            results, rates = _run_loop(run_all(plan, procs, kept, bodies, Path(tmp)))
-            table = report(plan, results, rates, kept, args, (gcpu, lcpu))
+                _pin(proc.pid, args.gateway_cpu, args.nice)  # threads started since launch
+            results, rates = _run_loop(run_all(plan, procs, kept, Path(tmp), prof))
         finally:
             procs.stop()
-    elapsed = time.monotonic() - t_begin
-    print(_preamble(args, plan, gcpu, lcpu, elapsed))
-    print(table)
+    print(_preamble(args, plan, time.monotonic() - t_begin))
+    print(report(plan, results, rates, kept, args))
+    if args.profile is not None:
+        print("\n" + prof.summary())
     return 0
 
 
@@ -747,20 +851,17 @@ def _run_loop(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-def _preamble(args: argparse.Namespace, plan: Plan, gcpu: int, lcpu: int, elapsed: float) -> str:
-    model = "unknown CPU"
+def _preamble(args: argparse.Namespace, plan: Plan, elapsed: float) -> str:
+    cpu = "unknown CPU"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    src = args.gateway_src or "the installed gateway"
     return (
         f"bench.overhead: {plan.repeats} repeat(s), {args.replicas} replicas per pool, "
-        f"{args.chunks} SSE chunks, paced at {args.chunk_delay_ms:g} ms/chunk; gateway on CPU "
-        f"{gcpu}, upstream + generator on CPU {lcpu} ({model}, {os.cpu_count()} CPUs, "
-        f"Python {sys.version.split()[0]}); took {elapsed:.0f} s\n"
+        f"{args.chunks} SSE chunks/stream, paced {args.chunk_delay_ms:g} ms/chunk; gateway ({src}) "
+        f"on CPU {args.gateway_cpu}, upstream + generator on CPU {args.load_cpu}; {cpu}, "
+        f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; took {elapsed:.0f} s\n"
     )
-
 
 
 if __name__ == "__main__":

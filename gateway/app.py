@@ -2,14 +2,20 @@
 
 The two OpenAI proxy paths are dispatched by a dict lookup in front of Starlette, so the hot path
 carries no framework middleware; everything else (health, metrics, models, admin) is plain Starlette.
+
+Admin routes (`/admin/*`, `/debug/*`) need `Authorization: Bearer <server.admin_key>`; with no key
+configured they are off and answer 404. `/dashboard` is a static page holding no data, served either
+way: it reads the key from its URL fragment and fetches `/admin/status` with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import importlib.resources
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -23,10 +29,23 @@ from starlette.routing import Route
 
 from .config import Config
 from .endpoint import ProxyEndpoint, Receive, Scope, Send
-from .errors import GatewayError, MethodNotAllowed, NotFound, error_payload
+from .errors import GatewayError, MethodNotAllowed, NotFound, Unauthorized, error_payload
 from .pipeline import Pipeline
 from .runtime import Gateway
+from .status import snapshot
 from .tracing import Tracing
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+# the page fetches only its own origin and runs only its one inline script
+_PAGE_HEADERS = {
+    "content-security-policy": "default-src 'none'; script-src 'unsafe-inline'; "
+    "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+    "form-action 'none'; frame-ancestors 'none'",
+    "cache-control": "no-store",
+    "referrer-policy": "no-referrer",
+    "x-content-type-options": "nosniff",
+}
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -35,6 +54,28 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 def _error(exc: GatewayError) -> Response:
     return _json(error_payload(exc), exc.status, exc.headers())
+
+
+def admin_only(config: Config, handler: Handler) -> Handler:
+    """Guard an admin route: Bearer `server.admin_key` (constant-time compare), 404 when no key."""
+    key = config.server.admin_key
+    expected = key.get_secret_value().encode() if key is not None else None
+
+    async def guarded(request: Request) -> Response:
+        if expected is None:  # admin routes are off unless a key is configured
+            return _error(NotFound(f"Unknown path {request.url.path}", code="unknown_url"))
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
+        if not hmac.compare_digest(given, expected):
+            return _error(
+                Unauthorized(
+                    "This admin route needs `Authorization: Bearer <server.admin_key>`.",
+                    headers={"www-authenticate": "Bearer"},
+                )
+            )
+        return await handler(request)
+
+    return guarded
 
 
 class GatewayApp:
@@ -102,6 +143,7 @@ class _ModelList:
 def create_app(config: Config, *, tracing: Tracing | None = None) -> GatewayApp:
     gateway = Gateway(config, tracing=tracing)
     models = _ModelList(gateway)
+    page = (importlib.resources.files("gateway") / "static" / "dashboard.html").read_bytes()
 
     async def health(request: Request) -> Response:
         return _json({"status": "ok"})
@@ -124,6 +166,13 @@ def create_app(config: Config, *, tracing: Tracing | None = None) -> GatewayApp:
 
     async def decisions(request: Request) -> Response:
         return _json({"decisions": list(gateway.recent)})
+
+    async def status(request: Request) -> Response:
+        # TODO(lead): `gateway.window` once Gateway holds it and Pipeline.finish feeds it
+        return _json(snapshot(gateway, getattr(gateway, "window", None)))
+
+    async def dashboard(request: Request) -> Response:
+        return Response(page, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -149,7 +198,9 @@ def create_app(config: Config, *, tracing: Tracing | None = None) -> GatewayApp:
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
-            Route("/debug/decisions", decisions, methods=["GET"]),
+            Route("/debug/decisions", admin_only(config, decisions), methods=["GET"]),
+            Route("/admin/status", admin_only(config, status), methods=["GET"]),
+            Route("/dashboard", dashboard, methods=["GET"]),
             Route("/v1/chat/completions", health, methods=["POST"]),  # served by GatewayApp
             Route("/v1/completions", health, methods=["POST"]),
         ],

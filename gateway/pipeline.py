@@ -277,7 +277,8 @@ class Pipeline:
             current = attempt
             replica, name = current.replica, current.replica.name
             ctx.tried.append(name)
-            ctx.t_sent = ctx.t_sent or time.perf_counter_ns()
+            t_sent = time.perf_counter_ns()
+            ctx.t_sent = ctx.t_sent or t_sent
             try:
                 try:
                     opened = await open_upstream(
@@ -298,25 +299,25 @@ class Pipeline:
                     continue
                 ctx.t_first = time.perf_counter_ns()
                 ctx.replica, ctx.status = name, opened.resp.status
-                attempt.prefilled()
+                current.prefilled()
                 await self.deliver(req, routed, pool, opened, send, extra, ctx)
                 ok = opened.resp.status < 500 and ctx.outcome == "ok"
                 replica.succeeded() if ok else replica.failed(f"upstream {ctx.outcome}")
-                ttft_s = (
-                    (ctx.t_first - ctx.t_in) / 1e9 if req.stream and ctx.status == 200 else None
-                )
+                # the replica's own TTFT (sent -> first byte), not the client's: no queue time in it
+                ttft_s = (ctx.t_first - t_sent) / 1e9 if req.stream and ctx.status == 200 else None
                 if ttft_s is not None:
                     replica.observe_ttft(ttft_s)
-                v = attempt.view
+                v = current.view
                 pool.policy.observe(
                     Outcome(
                         name,
                         routed.prompt_tokens,
-                        attempt.hit_tokens,
+                        current.hit_tokens,
                         v.load,
                         v.inflight_prompt_tokens,
                         ttft_s,
                         ok=ok,
+                        session_key=routed.session_key,
                     )
                 )
                 return

@@ -68,7 +68,7 @@ class Policy:
     to score (it costs nothing) but still observes outcomes, so a learner can warm up in shadow.
     """
 
-    __slots__ = ("name", "filters", "scorers", "picker", "_active", "_learners")
+    __slots__ = ("name", "filters", "scorers", "picker", "_keeps", "_active", "_learners")
 
     def __init__(
         self,
@@ -91,6 +91,7 @@ class Policy:
         self.filters = tuple(filters)
         self.scorers = tuple((s, float(w)) for s, w in scorers)
         self.picker = picker
+        self._keeps = tuple(f.keep for f in self.filters)
         self._active = tuple(
             (s.name, s, w, getattr(s, "reason", s.name)) for s, w in self.scorers if w > 0
         )
@@ -104,11 +105,11 @@ class Policy:
     def choose(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> Decision:
         """Rank every replica that survives the filters; explain the rest."""
         filtered: dict[str, str] = {}
-        if self.filters:
+        if self._keeps:
             survivors: list[ReplicaView] = []
             for view in views:
-                for f in self.filters:
-                    why = f.keep(req, view)
+                for keep in self._keeps:
+                    why = keep(req, view)
                     if why is not None:
                         filtered[view.name] = why
                         break
@@ -129,17 +130,23 @@ class Policy:
                 predicted_hit_blocks=only.hit_blocks,
             )
 
-        names = [v.name for v in survivors]
-        totals = dict.fromkeys(names, 0.0)
-        scores: dict[str, dict[str, float]] = {n: {} for n in names}
-        for sname, scorer, weight, _ in self._active:
-            get = scorer.score(req, survivors).get
-            for n in names:
-                s = get(n, 0.0)
+        gets = [
+            (sname, w, scorer.score(req, survivors).get) for sname, scorer, w, _ in self._active
+        ]
+        totals: dict[str, float] = {} if gets else {v.name: 0.0 for v in survivors}
+        scores: dict[str, dict[str, float]] = {}
+        for view in survivors if gets else ():
+            name = view.name
+            row: dict[str, float] = {}
+            total = 0.0
+            for sname, weight, get in gets:
+                s = get(name, 0.0)
                 if not 0.0 <= s <= 1.0:  # also catches NaN
                     s = 1.0 if s > 1.0 else 0.0  # NaN and negatives count 0
-                scores[n][sname] = s
-                totals[n] += weight * s
+                row[sname] = s
+                total += weight * s
+            scores[name] = row
+            totals[name] = total
 
         ranked, reason = self.picker.pick(req, survivors, totals)
         if reason == BY_SCORE:
@@ -154,8 +161,8 @@ class Policy:
             ranked,
             reason,
             self.name,
-            scores=scores if self._active else {},
-            totals=totals if self._active else {},
+            scores=scores,
+            totals=totals if gets else {},
             filtered=filtered,
             predicted_hit_blocks=hit,
         )

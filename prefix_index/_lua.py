@@ -9,30 +9,38 @@ from __future__ import annotations
 # Chains arrive as one string of 8-byte big-endian hashes; block i is sub(blob, 8i+1, 8i+8).
 # A field's value is its expiry in ms (client clock); "0" means no TTL.
 
-# ARGV: prefix, now_ms, blob, replica... -> "d1,d2,...": per replica, the leading blocks it
-# holds (one bulk string: cheaper to send and to parse than an array of integers).
+# ARGV: prefix, now_ms, blob, hints, replica... -> "d1,d2,...": per replica, the leading
+# blocks it holds (one bulk string: cheaper to send and to parse than an array of integers).
 # What a replica holds is prefix-closed (records write whole chains from block 0, LRU and TTL
-# take leaves first), except where `evict` cut a chain: those cuts are kept as "holes", and a
-# replica listed in `holey` gets its answer clipped at the first live hole of the chain.
+# take leaves first), so a binary search finds each depth, and replicas that share a depth
+# share its probes. `hints` ("d,d,...", may be empty) are depths the client saw lately (a
+# system prompt's length, say): a group tries them before halving, two probes for a right
+# guess; answers are exact whatever the hints. Where `evict` cut a chain, the cut is kept as
+# a "hole", and a replica listed in `holey` gets its depth clipped at its first live hole.
 MATCH = r"""#!lua flags=no-writes
 local pre = ARGV[1]
 local now = tonumber(ARGV[2])
 local blob = ARGV[3]
 local n = math.floor(#blob / 8)
-local nrep = #ARGV - 3
+local names = {}
+for i = 5, #ARGV do names[#names + 1] = ARGV[i] end
+local nrep = #names
 local out = {}
 for i = 1, nrep do out[i] = 0 end
 if n == 0 or nrep == 0 then return table.concat(out, ',') end
+local hints = {n}  -- a full hit is a guess worth two probes too
+for d in string.gmatch(ARGV[4], '%d+') do hints[#hints + 1] = tonumber(d) end
+table.sort(hints)
 
--- Splits a group of replica indexes by whether each holds (a live entry of) block `pos`.
+-- Splits a group (replica indexes) by whether each holds a live entry of block `pos`.
 -- HMGET scans a small hash once per name, so a large group reads the whole hash instead.
 local function split(pos, group)
   local key = pre .. 'b' .. string.sub(blob, pos * 8 + 1, pos * 8 + 8)
   local yes, no = {}, {}
   if #group <= 8 then
-    local names = {}
-    for k = 1, #group do names[k] = ARGV[group[k] + 3] end
-    local vals = redis.call('HMGET', key, unpack(names))
+    local asked = {}
+    for k = 1, #group do asked[k] = names[group[k]] end
+    local vals = redis.call('HMGET', key, unpack(asked))
     for k = 1, #group do
       local v = vals[k]
       if v and (v == '0' or tonumber(v) > now) then yes[#yes + 1] = group[k]
@@ -46,47 +54,59 @@ local function split(pos, group)
       if v == '0' or tonumber(v) > now then live[flat[k]] = true end
     end
     for k = 1, #group do
-      if live[ARGV[group[k] + 3]] then yes[#yes + 1] = group[k]
+      if live[names[group[k]]] then yes[#yes + 1] = group[k]
       else no[#no + 1] = group[k] end
     end
   end
   return yes, no
 end
 
+local function settle(group, depth)
+  for k = 1, #group do out[group[k]] = depth end
+end
+
 local all = {}
 for i = 1, nrep do all[i] = i end
 local stack = {}
 local held = split(0, all)
-if #held > 0 then
-  if n == 1 then
-    for k = 1, #held do out[held[k]] = 1 end
-  else
-    local full, part = split(n - 1, held)
-    for k = 1, #full do out[full[k]] = n end
-    if #part > 0 then stack[1] = {1, n - 1, part} end
-  end
-end
--- Each group holds block lo-1 and lacks block hi: its answer lies in [lo, hi].
+if #held > 0 then stack[1] = {1, n, held} end  -- block n does not exist: nobody holds it
+-- Each entry: its group holds block lo-1 and lacks block hi, so its depth is in [lo, hi].
 while #stack > 0 do
   local t = table.remove(stack)
   local lo, hi, group = t[1], t[2], t[3]
   if lo >= hi then
-    for k = 1, #group do out[group[k]] = lo end
+    settle(group, lo)
   else
-    local mid = math.floor((lo + hi) / 2)
-    local yes, no = split(mid, group)
-    if #yes > 0 then stack[#stack + 1] = {mid + 1, hi, yes} end
-    if #no > 0 then stack[#stack + 1] = {lo, mid, no} end
+    local guess
+    for k = 1, #hints do
+      if hints[k] > lo and hints[k] <= hi then guess = hints[k]; break end
+    end
+    if guess then
+      local yes, no = split(guess - 1, group)
+      if #no > 0 then stack[#stack + 1] = {lo, guess - 1, no} end
+      if #yes > 0 then
+        if guess == hi then
+          settle(yes, hi)
+        else
+          local deeper, exact = split(guess, yes)
+          settle(exact, guess)
+          if #deeper > 0 then stack[#stack + 1] = {guess + 1, hi, deeper} end
+        end
+      end
+    else
+      local mid = math.floor((lo + hi) / 2)
+      local yes, no = split(mid, group)
+      if #yes > 0 then stack[#stack + 1] = {mid + 1, hi, yes} end
+      if #no > 0 then stack[#stack + 1] = {lo, mid, no} end
+    end
   end
 end
 
 if redis.call('EXISTS', pre .. 'holey') == 1 then
-  local names = {}
-  for i = 1, nrep do names[i] = ARGV[i + 3] end
   local flags = redis.call('SMISMEMBER', pre .. 'holey', unpack(names))
   for i = 1, nrep do
     if flags[i] == 1 and out[i] > 0 then
-      local hk = pre .. 'h:' .. ARGV[i + 3]
+      local hk = pre .. 'h:' .. names[i]
       local b, j = out[i], 0
       while j < b do
         local m = math.min(b - j, 1000)

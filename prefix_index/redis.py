@@ -47,18 +47,23 @@ _SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in _SCRIPTS.i
 _SHA_B = {name: sha.encode() for name, sha in _SHA.items()}
 _CACHE_MAX = 8192
 _KEYS_MAX = 4096
+_HINTS_MAX = 4
 
 
 @dataclass(frozen=True, slots=True)
 class RedisTuning:
     """Knobs an operator rarely turns (defaults suit a Redis on the same network)."""
 
-    timeout_s: float = 0.25  # connect/read timeout; a slower Redis counts as an outage
+    timeout_s: float = 0.25  # a match (or probe) slower than this counts as an outage
+    write_timeout_s: float = 5.0  # a batch of writes slower than this counts as an outage
     retry_s: float = 1.0  # first probe interval while Redis is out (doubles up to 10x)
     max_pending: int = 10_000  # writes buffered while Redis is out; the oldest go first
     local_view: bool = True  # keep this gateway's own writes in memory, answer from it when out
     write_batch: int = 256  # writes per pipeline
+    write_batch_blocks: int = 32_768  # ...and blocks per pipeline
+    segment_blocks: int = 512  # blocks per record call: bounds how long one call holds Redis
     forget_batch: int = 2_000  # entries one forget call removes (keeps Redis responsive)
+    idle_connections: int = 32  # match connections kept open between calls
 
 
 @dataclass(slots=True)
@@ -67,6 +72,7 @@ class _Write:
 
     commands: list[tuple[Any, ...]]
     forget: str | None = None
+    blocks: int = 0
     done: asyncio.Future[None] | None = field(default=None)
 
 
@@ -122,16 +128,15 @@ class RedisIndex:
         self._cache: dict[tuple[Any, ...], tuple[float, dict[str, int]]] = {}
         self._generation: dict[str, int] = {}
         self._replica_resp: dict[tuple[str, ...], tuple[int, bytes]] = {}
+        self._hints: dict[str, bytes] = {}  # scope -> depths recent matches stopped at
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def connect(self) -> bool:
         """Check Redis and load the scripts; optional (the first call connects). Never raises:
         returns False and starts recovering in the background when Redis is out."""
-        client = self._redis()
         try:
-            await client.ping()
-            await self._load_scripts()
+            await self._ping()
         except _OUTAGE as exc:
             self._went_down(exc)
             return False
@@ -191,16 +196,20 @@ class RedisIndex:
                 return dict(hit[1])
         keys = self._scope_keys(scope)
         head = (b"EVALSHA", _SHA_B["match"], b"1", keys.seq, keys.prefix, b"%d" % self._now_ms())
+        hints = self._hints.get(scope, b"")
         try:
-            answer = await self._call(_resp(head, _pack(hashes), self._replica_args(replicas)))
+            answer = await self._call(
+                _resp(head, (_pack(hashes), hints), self._replica_args(replicas))
+            )
         except _OUTAGE as exc:
             self._went_down(exc)
             return self._local_answer(scope, hashes, replicas)
         except RedisError as exc:
             self._complain("match", exc)
             return self._local_answer(scope, hashes, replicas)
-        counts = answer.split(b",") if answer else ()
-        result = dict(zip(replicas, map(int, counts), strict=True))
+        counts = [int(c) for c in answer.split(b",")] if answer else []
+        result = dict(zip(replicas, counts, strict=True))
+        self._remember_depths(scope, counts)
         if cache_key is not None and self._generation.get(scope, 0) == generation:
             if len(self._cache) >= _CACHE_MAX:
                 self._cache.clear()
@@ -218,17 +227,18 @@ class RedisIndex:
         expiry = now + self._ttl_ms if self._ttl_ms else 0
         capacity = self._capacity.get(replica, self._default_capacity)
         ns = self.namespace
-        await self._write(
-            scope,
-            _Write(
-                [
-                    ("EVALSHA", _SHA["record"], 1, keys.seq, keys.prefix, now, self._ttl_ms,
-                     capacity, replica, _pack(hashes), expiry),
-                    ("SADD", replica_scopes_key(ns, replica), keys.sid),
-                    ("SADD", replicas_key(ns), replica),
-                ]
-            ),
-        )  # fmt: skip
+        commands: list[tuple[Any, ...]] = []
+        step = self._tuning.segment_blocks
+        # Deepest segment first: each call's blocks are more recent than the deeper ones, so
+        # the LRU order is the one a single call would give, and no call holds Redis long.
+        for start in reversed(range(0, len(hashes), step)):
+            commands.append(
+                ("EVALSHA", _SHA["record"], 1, keys.seq, keys.prefix, now, self._ttl_ms,
+                 capacity, replica, _pack(hashes[start : start + step]), expiry)
+            )  # fmt: skip
+        commands.append(("SADD", replica_scopes_key(ns, replica), keys.sid))
+        commands.append(("SADD", replicas_key(ns), replica))
+        await self._write(scope, _Write(commands, blocks=len(hashes)))
 
     async def evict(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         if not hashes or self._closed:
@@ -240,7 +250,7 @@ class RedisIndex:
             "EVALSHA", _SHA["evict"], 1, keys.seq, keys.prefix, self._now_ms(), self._ttl_ms,
             replica, _pack(hashes),
         )  # fmt: skip
-        await self._write(scope, _Write([command]))
+        await self._write(scope, _Write([command], blocks=len(hashes)))
 
     async def forget(self, replica: str) -> None:
         if self._closed:
@@ -350,11 +360,14 @@ class RedisIndex:
         first = self._pending.popleft()
         batch = [first]
         if first.forget is None:
+            blocks = first.blocks
             while (
                 self._pending
                 and len(batch) < self._tuning.write_batch
                 and self._pending[0].forget is None
+                and blocks + self._pending[0].blocks <= self._tuning.write_batch_blocks
             ):
+                blocks += self._pending[0].blocks
                 batch.append(self._pending.popleft())
         return batch
 
@@ -416,9 +429,26 @@ class RedisIndex:
             except BaseException:
                 await conn.disconnect()
                 raise
-            self._idle.append(conn)
+            if len(self._idle) < self._tuning.idle_connections:
+                self._idle.append(conn)
+            else:
+                await conn.disconnect()
             return response
         raise AssertionError("unreachable")
+
+    def _remember_depths(self, scope: str, counts: list[int]) -> None:
+        """Keep depths several replicas stopped at (a shared system prompt's end, say) as
+        hints for the scope's next match; a depth only one replica has is no use to a group."""
+        seen: dict[int, int] = {}
+        for depth in counts:
+            if depth:
+                seen[depth] = seen.get(depth, 0) + 1
+        common = sorted((d for d, c in seen.items() if c > 1), key=seen.__getitem__, reverse=True)
+        if not common:
+            return  # nothing learnt: keep what the scope had
+        if len(self._hints) >= _KEYS_MAX:
+            self._hints.clear()
+        self._hints[scope] = b",".join(b"%d" % d for d in common[:_HINTS_MAX])
 
     def _replica_args(self, replicas: Sequence[str]) -> tuple[int, bytes]:
         """The replica names as RESP bulk strings, memoised: pools ask with the same lists."""
@@ -467,8 +497,7 @@ class RedisIndex:
         while not self._closed:
             await asyncio.sleep(delay)
             try:
-                await self._redis().ping()
-                await self._load_scripts()
+                await self._ping()
             except (TimeoutError, RedisError, OSError):
                 delay = min(delay * 2, self._tuning.retry_s * 10)
                 continue
@@ -495,15 +524,19 @@ class RedisIndex:
 
     def _redis(self) -> aioredis.Redis:
         if self._client is None:
-            timeout = self._tuning.timeout_s
             self._client = aioredis.Redis.from_url(
                 self.url,
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
+                socket_timeout=self._tuning.write_timeout_s,
+                socket_connect_timeout=self._tuning.timeout_s,
                 retry=Retry(NoBackoff(), 1),
                 decode_responses=False,
             )
         return self._client
+
+    async def _ping(self) -> None:
+        async with asyncio.timeout(self._tuning.timeout_s * 4):
+            await self._redis().ping()
+            await self._load_scripts()
 
     async def _load_scripts(self) -> None:
         client = self._redis()
@@ -533,10 +566,11 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
-def _resp(head: tuple[bytes, ...], blob: bytes, replicas: tuple[int, bytes]) -> bytes:
-    """A match call in RESP: head arguments, the chain, then the pre-packed replica names."""
-    count = len(head) + 1 + replicas[0]
-    return b"".join((b"*%d\r\n" % count, *(_bulk(a) for a in head), _bulk(blob), replicas[1]))
+def _resp(head: tuple[bytes, ...], tail: tuple[bytes, ...], replicas: tuple[int, bytes]) -> bytes:
+    """A match call in RESP: arguments, then the pre-packed replica names."""
+    count = len(head) + len(tail) + replicas[0]
+    parts = (*(_bulk(a) for a in head), *(_bulk(a) for a in tail))
+    return b"".join((b"*%d\r\n" % count, *parts, replicas[1]))
 
 
 def _redacted(url: str) -> str:

@@ -7,9 +7,7 @@ from simulator.config import EngineConfig, OutputLengths, build_config
 from simulator.des import (
     Cluster,
     ReplicaLoad,
-    RequestRecord,
     Router,
-    RunResult,
     SimRequest,
     chat_requests,
     run,
@@ -20,6 +18,7 @@ from simulator.fleet import Fleet
 from simulator.perf_model import PerfModel
 from simulator.profiles import GpuProfile, ModelProfile, get_gpu, get_model
 from simulator.replica import Replica
+from simulator.results import RequestRecord, RunResult
 from simulator.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from simulator.engine import Engine, Step
 
+MAX_RUN = 128  # steps priced ahead; longer runs are planned again, shorter waste less when cut
+
 
 def _blocks_needed(engine: Engine, k: int) -> int:
     """Blocks the running sequences must still allocate to compute `k` more tokens each."""
@@ -51,12 +53,16 @@ def plan(engine: Engine, step: Step, kv_tokens: int) -> Step:
         k_max = lo
         if k_max < 2:
             return step
+    # PerfModel.step_time(0.0, b, kv) inlined, with its float operations in the same order
     perf, b = engine.perf, len(running)
+    over, weights, kv_s = perf.step_overhead_s + 0.0, perf.weight_read_s, perf.kv_read_s_per_token
+    compute = b * perf.prefill_s_per_token
     durations = [step.duration_s]
     ends = [step.start_s + step.duration_s]
     t = ends[0]
-    for i in range(2, k_max + 1):
-        d = perf.step_time(0.0, b, kv_tokens + b * (i - 1))
+    for i in range(2, min(k_max, MAX_RUN) + 1):
+        memory = weights + (kv_tokens + b * (i - 1)) * kv_s
+        d = over + (memory if memory >= compute else compute)
         t = t + d
         durations.append(d)
         ends.append(t)

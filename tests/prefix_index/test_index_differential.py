@@ -29,6 +29,7 @@ class Setup:
     capacity: int
     ttl_s: float | None
     chains: list[list[int]]
+    segment_blocks: int  # the redis backend records long chains in several calls
 
 
 def make_setup(rng: random.Random) -> Setup:
@@ -46,6 +47,7 @@ def make_setup(rng: random.Random) -> Setup:
         capacity=rng.choice([4, 9, 20, 1000]),
         ttl_s=rng.choice([None, 10.0, 30.0]),
         chains=chains,
+        segment_blocks=rng.choice([3, 512]),
     )
 
 
@@ -85,7 +87,7 @@ async def run(seed: int) -> None:
         namespace=namespace,
         local_cache_s=0,
         clock=clock,
-        tuning=RedisTuning(timeout_s=2.0, local_view=False),
+        tuning=RedisTuning(timeout_s=2.0, local_view=False, segment_blocks=setup.segment_blocks),
     )
     trace: list[str] = []
     try:
