@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     common(sub.add_parser("serve", help="serve the gateway (the default command)"))
     check = sub.add_parser("check", help="validate a config and print it resolved")
     check.add_argument("--config", "-c", required=True)
+    sub.add_parser("demo", help="simulated replicas, round robin vs prefix-aware (add -h for options)", add_help=False)
     return p
 
 
@@ -71,6 +72,11 @@ def serve(config: Config) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = _parser().parse_args(argv)
     command = args.command or "serve"
     if command == "serve" and not args.config:

@@ -34,30 +34,38 @@ table.sort(hints)
 
 -- Splits a group (replica indexes) by whether each holds a live entry of block `pos`.
 -- HMGET scans a small hash once per name, so a large group reads the whole hash instead.
+-- A group that does not split comes back as it is (groups are never modified).
+local NONE = {}
+local function live(v)
+  return v and (v == '0' or tonumber(v) > now)
+end
 local function split(pos, group)
   local key = pre .. 'b' .. string.sub(blob, pos * 8 + 1, pos * 8 + 8)
+  local size = #group
+  if size == 1 then
+    if live(redis.call('HGET', key, names[group[1]])) then return group, NONE end
+    return NONE, group
+  end
   local yes, no = {}, {}
-  if #group <= 8 then
+  if size <= 8 then
     local asked = {}
-    for k = 1, #group do asked[k] = names[group[k]] end
+    for k = 1, size do asked[k] = names[group[k]] end
     local vals = redis.call('HMGET', key, unpack(asked))
-    for k = 1, #group do
-      local v = vals[k]
-      if v and (v == '0' or tonumber(v) > now) then yes[#yes + 1] = group[k]
-      else no[#no + 1] = group[k] end
+    for k = 1, size do
+      if live(vals[k]) then yes[#yes + 1] = group[k] else no[#no + 1] = group[k] end
     end
   else
     local flat = redis.call('HGETALL', key)
-    local live = {}
+    local holders = {}
     for k = 1, #flat, 2 do
-      local v = flat[k + 1]
-      if v == '0' or tonumber(v) > now then live[flat[k]] = true end
+      if live(flat[k + 1]) then holders[flat[k]] = true end
     end
-    for k = 1, #group do
-      if live[names[group[k]]] then yes[#yes + 1] = group[k]
-      else no[#no + 1] = group[k] end
+    for k = 1, size do
+      if holders[names[group[k]]] then yes[#yes + 1] = group[k] else no[#no + 1] = group[k] end
     end
   end
+  if #yes == size then return group, NONE end
+  if #no == size then return NONE, group end
   return yes, no
 end
 

@@ -8,16 +8,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import struct
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -25,6 +22,8 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from prefix_index import _lua
+from prefix_index._fastlane import FastLane, pack_chain
+from prefix_index._writes import Write, WriteQueue
 from prefix_index.base import IndexStats
 from prefix_index.constants import (
     DEFAULT_CAPACITY_BLOCKS,
@@ -37,14 +36,14 @@ from prefix_index.constants import (
 )
 from prefix_index.memory import MemoryIndex
 
-# Redis memory per (replica, block) entry, measured by bench/index.py on Redis 7.0 (one
-# replica per block; each further replica on a block adds about a third of it).
-REDIS_BYTES_PER_ENTRY = 224
+# Redis memory per (replica, block) entry for `stats()`, measured by bench/index.py on Redis
+# 7.0: about 330-420 B for a block one replica holds, about 100-120 B per further replica.
+REDIS_BYTES_PER_ENTRY = 300
 
-_OUTAGE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+_OUTAGE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 _SCRIPTS = {"match": _lua.MATCH, "record": _lua.RECORD, "evict": _lua.EVICT, "forget": _lua.FORGET}
 _SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in _SCRIPTS.items()}
-_SHA_B = {name: sha.encode() for name, sha in _SHA.items()}
+_MATCH_SHA = _SHA["match"].encode()
 _CACHE_MAX = 8192
 _KEYS_MAX = 4096
 _HINTS_MAX = 4
@@ -64,16 +63,6 @@ class RedisTuning:
     segment_blocks: int = 512  # blocks per record call: bounds how long one call holds Redis
     forget_batch: int = 2_000  # entries one forget call removes (keeps Redis responsive)
     idle_connections: int = 32  # match connections kept open between calls
-
-
-@dataclass(slots=True)
-class _Write:
-    """One queued write: the commands of one record/evict, or a forget (replica set)."""
-
-    commands: list[tuple[Any, ...]]
-    forget: str | None = None
-    blocks: int = 0
-    done: asyncio.Future[None] | None = field(default=None)
 
 
 class RedisIndex:
@@ -104,31 +93,33 @@ class RedisIndex:
             raise ValueError(f"namespace must be non-empty and without braces, got {namespace!r}")
         self.url = url
         self.namespace = namespace
-        self._tuning = tuning or RedisTuning()
+        self._tuning = t = tuning or RedisTuning()
         self._default_capacity = capacity_blocks
         self._capacity: dict[str, int] = {}
         self._ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
         self._cache_s = local_cache_s
         self._clock = clock
         self._log = logging.getLogger("prefix_index")
-        self._local = (
-            MemoryIndex(capacity_blocks, ttl_s, clock) if self._tuning.local_view else None
-        )
+        self._local = MemoryIndex(capacity_blocks, ttl_s, clock) if t.local_view else None
         self._client: aioredis.Redis | None = None
-        self._idle: list[AbstractConnection] = []  # the match fast lane
-        self._keys: dict[str, ScopeKeys] = {}
-        self._pending: deque[_Write] = deque()
+        self._lane = FastLane(
+            lambda: self._redis().connection_pool, t.timeout_s, t.idle_connections
+        )
+        self._queue = WriteQueue(t.max_pending, t.write_batch, t.write_batch_blocks)
         self._flusher: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
         self._down = False
         self._down_since = 0.0
         self._closed = False
-        self._dropped = 0
         self._complaints: set[str] = set()
+        self._keys: dict[str, ScopeKeys] = {}
         self._cache: dict[tuple[Any, ...], tuple[float, dict[str, int]]] = {}
-        self._generation: dict[str, int] = {}
-        self._replica_resp: dict[tuple[str, ...], tuple[int, bytes]] = {}
+        self._generation: dict[str, int] = {}  # scope -> count of this gateway's writes
         self._hints: dict[str, bytes] = {}  # scope -> depths recent matches stopped at
+
+    @property
+    def healthy(self) -> bool:
+        return not self._down
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -148,18 +139,18 @@ class RedisIndex:
             task = self._flusher
             if task is not None and not task.done():
                 await asyncio.shield(task)
-                continue
-            if self._pending and not self._down and not self._closed:
+            elif self._queue and not self._down and not self._closed:
                 self._kick()
-                continue
-            return not self._pending
+            else:
+                return not self._queue
 
     async def aclose(self) -> None:
         if self._closed:
             return
         if not self._down:
             try:
-                await asyncio.wait_for(self.flush(), timeout=max(1.0, self._tuning.timeout_s * 4))
+                async with asyncio.timeout(self._tuning.write_timeout_s):
+                    await self.flush()
             except TimeoutError:
                 pass
         self._closed = True
@@ -170,13 +161,11 @@ class RedisIndex:
                     await task
                 except asyncio.CancelledError:
                     pass
-        for conn in self._idle:
-            await conn.disconnect()
-        self._idle.clear()
+        await self._lane.reset()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-        self._resolve_all()
+        self._queue.resolve_all()
 
     # -- the contract -------------------------------------------------------------------------
 
@@ -187,29 +176,30 @@ class RedisIndex:
             return dict.fromkeys(replicas, 0)
         if self._down or self._closed:
             return self._local_answer(scope, hashes, replicas)
-        cache_key: tuple[Any, ...] | None = None
         generation = self._generation.get(scope, 0)
+        cache_key: tuple[Any, ...] | None = None
         if self._cache_s > 0:
             cache_key = (scope, len(hashes), hashes[-1], generation, *replicas)
             hit = self._cache.get(cache_key)
             if hit is not None and hit[0] > time.monotonic():
                 return dict(hit[1])
         keys = self._scope_keys(scope)
-        head = (b"EVALSHA", _SHA_B["match"], b"1", keys.seq, keys.prefix, b"%d" % self._now_ms())
-        hints = self._hints.get(scope, b"")
+        command = self._lane.command(
+            (b"EVALSHA", _MATCH_SHA, b"1", keys.seq, keys.prefix, b"%d" % self._now_ms(),
+             pack_chain(hashes), self._hints.get(scope, b"")),
+            replicas,
+        )  # fmt: skip
         try:
-            answer = await self._call(
-                _resp(head, (_pack(hashes), hints), self._replica_args(replicas))
-            )
+            answer = await self._lane.call(command, self._load_scripts)
         except _OUTAGE as exc:
             self._went_down(exc)
             return self._local_answer(scope, hashes, replicas)
         except RedisError as exc:
             self._complain("match", exc)
             return self._local_answer(scope, hashes, replicas)
-        counts = [int(c) for c in answer.split(b",")] if answer else []
-        result = dict(zip(replicas, counts, strict=True))
-        self._remember_depths(scope, counts)
+        depths = [int(d) for d in answer.split(b",")]
+        result = dict(zip(replicas, depths, strict=True))
+        self._remember_depths(scope, depths)
         if cache_key is not None and self._generation.get(scope, 0) == generation:
             if len(self._cache) >= _CACHE_MAX:
                 self._cache.clear()
@@ -226,19 +216,17 @@ class RedisIndex:
         now = self._now_ms()
         expiry = now + self._ttl_ms if self._ttl_ms else 0
         capacity = self._capacity.get(replica, self._default_capacity)
-        ns = self.namespace
-        commands: list[tuple[Any, ...]] = []
         step = self._tuning.segment_blocks
         # Deepest segment first: each call's blocks are more recent than the deeper ones, so
         # the LRU order is the one a single call would give, and no call holds Redis long.
-        for start in reversed(range(0, len(hashes), step)):
-            commands.append(
-                ("EVALSHA", _SHA["record"], 1, keys.seq, keys.prefix, now, self._ttl_ms,
-                 capacity, replica, _pack(hashes[start : start + step]), expiry)
-            )  # fmt: skip
-        commands.append(("SADD", replica_scopes_key(ns, replica), keys.sid))
-        commands.append(("SADD", replicas_key(ns), replica))
-        await self._write(scope, _Write(commands, blocks=len(hashes)))
+        commands: list[tuple[Any, ...]] = [
+            ("EVALSHA", _SHA["record"], 1, keys.seq, keys.prefix, now, self._ttl_ms, capacity,
+             replica, pack_chain(hashes[start : start + step]), expiry)
+            for start in reversed(range(0, len(hashes), step))
+        ]  # fmt: skip
+        commands.append(("SADD", replica_scopes_key(self.namespace, replica), keys.sid))
+        commands.append(("SADD", replicas_key(self.namespace), replica))
+        await self._write(scope, Write(commands, blocks=len(hashes)))
 
     async def evict(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         if not hashes or self._closed:
@@ -246,18 +234,16 @@ class RedisIndex:
         if self._local is not None:
             self._local.evict_now(scope, replica, hashes)
         keys = self._scope_keys(scope)
-        command = (
-            "EVALSHA", _SHA["evict"], 1, keys.seq, keys.prefix, self._now_ms(), self._ttl_ms,
-            replica, _pack(hashes),
-        )  # fmt: skip
-        await self._write(scope, _Write([command], blocks=len(hashes)))
+        command = ("EVALSHA", _SHA["evict"], 1, keys.seq, keys.prefix, self._now_ms(),
+                   self._ttl_ms, replica, pack_chain(hashes))  # fmt: skip
+        await self._write(scope, Write([command], blocks=len(hashes)))
 
     async def forget(self, replica: str) -> None:
         if self._closed:
             return
         if self._local is not None:
             self._local.forget_now(replica)
-        await self._write(None, _Write([], forget=replica))
+        await self._write(None, Write([], forget=replica))
 
     def set_capacity(self, replica: str, blocks: int) -> None:
         """Capacity of one replica in blocks (per scope), applied at its next record."""
@@ -268,12 +254,12 @@ class RedisIndex:
             self._local.set_capacity(replica, blocks)
 
     async def stats(self) -> IndexStats:
-        """Entries per replica across all gateways of the namespace (a few round trips)."""
+        """Entries per replica across all gateways of the namespace (three round trips)."""
         base = IndexStats(
             backend="redis",
             healthy=not self._down,
-            pending_writes=len(self._pending),
-            dropped_writes=self._dropped,
+            pending_writes=len(self._queue),
+            dropped_writes=self._queue.dropped,
         )
         if self._down or self._closed:
             return base
@@ -303,32 +289,25 @@ class RedisIndex:
             blocks_per_replica=per_replica,
             entries=entries,
             bytes_estimate=entries * REDIS_BYTES_PER_ENTRY,
-            healthy=True,
-            pending_writes=len(self._pending),
-            dropped_writes=self._dropped,
+            pending_writes=len(self._queue),
+            dropped_writes=self._queue.dropped,
         )
-
-    @property
-    def healthy(self) -> bool:
-        return not self._down
 
     # -- writes: queued, batched, buffered through an outage ----------------------------------
 
-    async def _write(self, scope: str | None, op: _Write) -> None:
+    async def _write(self, scope: str | None, write: Write) -> None:
+        """Queue a write; wait for its batch unless Redis is out (then it stays buffered)."""
         if scope is None:
             self._generation = {s: g + 1 for s, g in self._generation.items()}
             self._cache.clear()
         else:
             self._generation[scope] = self._generation.get(scope, 0) + 1
-        if len(self._pending) >= self._tuning.max_pending:
-            self._resolve(self._pending.popleft())
-            self._dropped += 1
-        self._pending.append(op)
-        if self._down:
-            return  # buffered; replayed when Redis is back
-        op.done = asyncio.get_running_loop().create_future()
-        self._kick()
-        await asyncio.shield(op.done)
+        if not self._down:
+            write.done = asyncio.get_running_loop().create_future()
+        self._queue.push(write)
+        if write.done is not None:
+            self._kick()
+            await asyncio.shield(write.done)
 
     def _kick(self) -> None:
         if self._down or self._closed:
@@ -337,39 +316,21 @@ class RedisIndex:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
 
     async def _flush_loop(self) -> None:
-        while self._pending and not self._down and not self._closed:
-            batch = self._take_batch()
+        while self._queue and not self._down and not self._closed:
+            batch = self._queue.take()
             try:
                 if batch[0].forget is not None:
                     await self._forget_remote(batch[0].forget)
                 else:
-                    await self._execute([c for op in batch for c in op.commands])
+                    await self._execute([c for w in batch for c in w.commands])
             except _OUTAGE as exc:
-                self._pending.extendleft(reversed(batch))
-                while len(self._pending) > self._tuning.max_pending:
-                    self._resolve(self._pending.popleft())
-                    self._dropped += 1
+                self._queue.put_back(batch)
                 self._went_down(exc)
             except RedisError as exc:  # e.g. OOM: these writes would fail again; drop them
                 self._complain("write", exc)
             finally:  # a waiting record() returns whatever happened (also on cancellation)
-                for op in batch:
-                    self._resolve(op)
-
-    def _take_batch(self) -> list[_Write]:
-        first = self._pending.popleft()
-        batch = [first]
-        if first.forget is None:
-            blocks = first.blocks
-            while (
-                self._pending
-                and len(batch) < self._tuning.write_batch
-                and self._pending[0].forget is None
-                and blocks + self._pending[0].blocks <= self._tuning.write_batch_blocks
-            ):
-                blocks += self._pending[0].blocks
-                batch.append(self._pending.popleft())
-        return batch
+                for write in batch:
+                    write.resolve()
 
     async def _execute(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         for attempt in (0, 1):
@@ -385,88 +346,18 @@ class RedisIndex:
         raise AssertionError("unreachable")
 
     async def _forget_remote(self, replica: str) -> None:
-        client = self._redis()
+        """Per scope the replica holds blocks in, pop its entries in bounded calls."""
         ns = self.namespace
         scopes_key = replica_scopes_key(ns, replica)
-        for sid in await client.smembers(scopes_key):
+        for sid in await self._redis().smembers(scopes_key):
             keys = ScopeKeys.from_sid(ns, sid.decode())
-            args = ("EVALSHA", _SHA["forget"], 1, keys.seq, keys.prefix, replica,
-                    self._tuning.forget_batch)  # fmt: skip
-            while int((await self._execute([args]))[0]):
+            command = ("EVALSHA", _SHA["forget"], 1, keys.seq, keys.prefix, replica,
+                       self._tuning.forget_batch)  # fmt: skip
+            while int((await self._execute([command]))[0]):
                 pass
         await self._execute([("DEL", scopes_key), ("SREM", replicas_key(ns), replica)])
 
-    @staticmethod
-    def _resolve(op: _Write) -> None:
-        if op.done is not None and not op.done.done():
-            op.done.set_result(None)
-
-    def _resolve_all(self) -> None:
-        for op in self._pending:
-            self._resolve(op)
-
-    # -- reads ---------------------------------------------------------------------------------
-
-    async def _call(self, packed: bytes) -> Any:
-        """One packed command on a fast-lane connection (no pool bookkeeping on the hot path)."""
-        for attempt in (0, 1):
-            conn = self._idle.pop() if self._idle else self._new_connection()
-            try:
-                async with asyncio.timeout(self._tuning.timeout_s):
-                    await conn.send_packed_command(packed, check_health=False)
-                    response = await conn.read_response()
-            except NoScriptError:
-                self._idle.append(conn)
-                if attempt:
-                    raise
-                await self._load_scripts()
-                continue
-            except RedisConnectionError:
-                await conn.disconnect()
-                if attempt:  # the first failure may be a connection Redis closed long ago
-                    raise
-                continue
-            except BaseException:
-                await conn.disconnect()
-                raise
-            if len(self._idle) < self._tuning.idle_connections:
-                self._idle.append(conn)
-            else:
-                await conn.disconnect()
-            return response
-        raise AssertionError("unreachable")
-
-    def _remember_depths(self, scope: str, counts: list[int]) -> None:
-        """Keep depths several replicas stopped at (a shared system prompt's end, say) as
-        hints for the scope's next match; a depth only one replica has is no use to a group."""
-        seen: dict[int, int] = {}
-        for depth in counts:
-            if depth:
-                seen[depth] = seen.get(depth, 0) + 1
-        common = sorted((d for d, c in seen.items() if c > 1), key=seen.__getitem__, reverse=True)
-        if not common:
-            return  # nothing learnt: keep what the scope had
-        if len(self._hints) >= _KEYS_MAX:
-            self._hints.clear()
-        self._hints[scope] = b",".join(b"%d" % d for d in common[:_HINTS_MAX])
-
-    def _replica_args(self, replicas: Sequence[str]) -> tuple[int, bytes]:
-        """The replica names as RESP bulk strings, memoised: pools ask with the same lists."""
-        key = tuple(replicas)
-        packed = self._replica_resp.get(key)
-        if packed is None:
-            if len(self._replica_resp) >= _KEYS_MAX:
-                self._replica_resp.clear()
-            packed = (len(key), b"".join(_bulk(r.encode()) for r in key))
-            self._replica_resp[key] = packed
-        return packed
-
-    def _new_connection(self) -> AbstractConnection:
-        # No socket timeout on the connection itself (it costs a task per send); _call bounds
-        # the whole round trip instead.
-        pool = self._redis().connection_pool
-        kwargs = {**pool.connection_kwargs, "socket_timeout": None}
-        return pool.connection_class(**kwargs)
+    # -- outage ---------------------------------------------------------------------------------
 
     def _local_answer(
         self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
@@ -474,8 +365,6 @@ class RedisIndex:
         if self._local is None:
             return dict.fromkeys(replicas, 0)
         return self._local.match_now(scope, hashes, replicas)
-
-    # -- outage --------------------------------------------------------------------------------
 
     def _went_down(self, exc: BaseException) -> None:
         if self._down or self._closed:
@@ -489,7 +378,7 @@ class RedisIndex:
             "writes until it is back",
             _redacted(self.url), type(exc).__name__, exc, view,
         )  # fmt: skip
-        self._resolve_all()
+        self._queue.resolve_all()
         self._prober = asyncio.get_running_loop().create_task(self._recover())
 
     async def _recover(self) -> None:
@@ -501,20 +390,19 @@ class RedisIndex:
             except (TimeoutError, RedisError, OSError):
                 delay = min(delay * 2, self._tuning.retry_s * 10)
                 continue
-            for conn in self._idle:
-                await conn.disconnect()
-            self._idle.clear()
+            await self._lane.reset()
             self._down = False
             self._log.info(
                 "prefix index: Redis at %s is back after %.1f s; replaying %d buffered writes "
                 "(%d dropped)",
-                _redacted(self.url), time.monotonic() - self._down_since, len(self._pending),
-                self._dropped,
+                _redacted(self.url), time.monotonic() - self._down_since, len(self._queue),
+                self._queue.dropped,
             )  # fmt: skip
             self._kick()
             return
 
     def _complain(self, what: str, exc: Exception) -> None:
+        """One line per kind of refusal (OOM, READONLY...): Redis answers, so no outage."""
         kind = f"{what}:{type(exc).__name__}"
         if kind not in self._complaints and len(self._complaints) < 64:
             self._complaints.add(kind)
@@ -545,6 +433,20 @@ class RedisIndex:
             if sha != _SHA[name]:  # pragma: no cover - would mean a different SHA1
                 raise RuntimeError(f"script {name}: Redis returned sha {sha}")
 
+    def _remember_depths(self, scope: str, depths: list[int]) -> None:
+        """Keep depths several replicas stopped at (a shared system prompt's end, say) as
+        hints for the scope's next match; a depth only one replica has is no use to a group."""
+        seen: dict[int, int] = {}
+        for depth in depths:
+            if depth:
+                seen[depth] = seen.get(depth, 0) + 1
+        common = sorted((d for d, c in seen.items() if c > 1), key=seen.__getitem__, reverse=True)
+        if not common:
+            return  # nothing learnt: keep what the scope had
+        if len(self._hints) >= _KEYS_MAX:
+            self._hints.clear()
+        self._hints[scope] = b",".join(b"%d" % d for d in common[:_HINTS_MAX])
+
     def _scope_keys(self, scope: str) -> ScopeKeys:
         keys = self._keys.get(scope)
         if keys is None:
@@ -555,22 +457,6 @@ class RedisIndex:
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
-
-
-def _pack(hashes: Sequence[int]) -> bytes:
-    """The chain as 8-byte big-endian values (the bytes in Redis key names)."""
-    return struct.pack(f">{len(hashes)}Q", *hashes)
-
-
-def _bulk(value: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(value), value)
-
-
-def _resp(head: tuple[bytes, ...], tail: tuple[bytes, ...], replicas: tuple[int, bytes]) -> bytes:
-    """A match call in RESP: arguments, then the pre-packed replica names."""
-    count = len(head) + len(tail) + replicas[0]
-    parts = (*(_bulk(a) for a in head), *(_bulk(a) for a in tail))
-    return b"".join((b"*%d\r\n" % count, *parts, replicas[1]))
 
 
 def _redacted(url: str) -> str:

@@ -227,6 +227,15 @@ async def test_admin_routes_need_the_key() -> None:
         assert "<canvas" in page.text and "127.0.0.1" not in page.text
 
 
+async def test_an_empty_admin_key_opens_nothing() -> None:
+    async with (
+        rig([Upstream("r1")], extra={"server": {"admin_key": ""}}) as r,
+        httpx.AsyncClient(base_url=r.url, timeout=10) as client,
+    ):
+        for headers in ({}, {"authorization": "Bearer"}, {"authorization": "Basic x"}):
+            assert (await client.get("/admin/status", headers=headers)).status_code == 401
+
+
 async def test_admin_routes_are_off_without_a_key() -> None:
     async with (
         rig([Upstream("r1")]) as r,
@@ -446,6 +455,14 @@ def test_grafana_dashboard_parses_and_names_real_metrics(gateway_names: set[str]
     } <= used
 
 
+def test_every_gateway_family_is_documented(gateway_names: set[str]) -> None:
+    doc = (ROOT / "docs/observability.md").read_text()
+    documented = set(re.findall(r"`(gateway_\w+)`", doc))
+    for name in gateway_names:
+        family = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in documented or family in documented, f"{family} missing from the docs"
+
+
 async def test_vllm_names_are_what_the_simulator_exports() -> None:
     from simulator import Fleet
 
@@ -534,9 +551,9 @@ async def test_status_page_renders_in_headless_chromium(
                 chromium(page, "--dump-dom", profile=tmp_path / "p1"),
                 chromium(page, f"--screenshot={shot}", profile=tmp_path / "p2"),
             )
-    data = shot.read_bytes()
+    data = await asyncio.to_thread(shot.read_bytes)
     if SAVE_SHOT:
-        Path(SAVE_SHOT).write_bytes(data)
+        await asyncio.to_thread(Path(SAVE_SHOT).write_bytes, data)
     width, height, distinct = png_facts(data)
     assert (width, height) == (1400, 1000)
     assert distinct > 32, "the screenshot is (nearly) uniform"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -289,3 +290,25 @@ async def test_priority_scheduling_accepts_priorities(http: httpx.AsyncClient) -
         r = await http.post(f.urls[0] + "/v1/completions",
                             json={"prompt": "x", "max_tokens": 2, "priority": -5})
     assert r.status_code == 200
+
+
+def two_free_ports() -> int:
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return int(port)
+    raise RuntimeError("no two consecutive free ports")
+
+
+async def test_fleet_on_consecutive_ports(http: httpx.AsyncClient) -> None:
+    base = two_free_ports()
+    async with Fleet(n=2, speedup=5000.0, base_port=base) as f:
+        assert f.urls == [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+        for url in f.urls:
+            assert (await http.get(url + "/health")).status_code == 200

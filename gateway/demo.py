@@ -1,0 +1,267 @@
+"""`gateway demo`: 4 simulated replicas, the gateway on embedded defaults, one shared-prefix workload
+replayed through it with round robin and with the default policy, and the comparison printed.
+
+Times are simulated seconds (wall time × the simulator's speedup), what the same run would take on
+the GPUs the simulator models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+import uvicorn
+
+from simulator.workloads import WorkItem, shared_prompts
+
+from .app import create_app
+from .config import parse_config
+
+SIM_ARGS = [
+    "--model",
+    "qwen2.5-14b",
+    "--gpu",
+    "a100-80g",
+    "--tensor-parallel-size",
+    "1",
+    "--gpu-memory-utilization",
+    "0.6",
+]  # ~63K tokens of KV per replica: the working set below exceeds one, fits four
+
+
+@dataclass
+class RunResult:
+    policy: str
+    ttft_s: list[float]
+    errors: int
+    wall_s: float
+    prompt_tokens: int
+    hit_tokens: int
+    speedup: float
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def pct(self, q: float) -> float:
+        xs = sorted(self.ttft_s)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+    @property
+    def throughput(self) -> float:
+        """Completed requests per simulated second."""
+        return len(self.ttft_s) / (self.wall_s * self.speedup)
+
+
+@contextlib.asynccontextmanager
+async def simulated_fleet(n: int, speedup: float) -> AsyncIterator[list[str]]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "simulator",
+        "--replicas",
+        str(n),
+        "--port",
+        "0",
+        "--speedup",
+        str(speedup),
+        *SIM_ARGS,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    urls: list[str] = []
+    assert proc.stdout is not None
+    try:
+        while len(urls) < n:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            if not line:
+                raise RuntimeError("the simulator exited before it was ready")
+            urls += [w for w in line.split() if w.startswith("http://")]
+        yield urls
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        await proc.wait()
+
+
+async def _serve_gateway(
+    urls: Sequence[str], policy: str
+) -> tuple[uvicorn.Server, asyncio.Task[None], str]:
+    cfg = parse_config(
+        {
+            "server": {"host": "127.0.0.1", "port": 0},
+            "pools": {
+                "demo": {
+                    "replicas": list(urls),
+                    "policy": policy,
+                    "health": {"interval_s": 1},
+                    "scrape": {"interval_s": 0.25},
+                }
+            },
+        }
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(cfg),
+            host="127.0.0.1",
+            port=0,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            loop="none",
+        )
+    )
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, task, f"http://127.0.0.1:{port}"
+
+
+async def _one(h: aiohttp.ClientSession, url: str, item: WorkItem, model: str) -> float | None:
+    body = {
+        "model": model,
+        "messages": list(item.messages),
+        "max_tokens": item.max_tokens,
+        "stream": True,
+    }
+    t0 = time.perf_counter()
+    try:
+        async with h.post(
+            url + "/v1/chat/completions",
+            data=orjson.dumps(body),
+            headers={"content-type": "application/json"},
+        ) as res:
+            if res.status != 200:
+                await res.read()
+                return None
+            ttft = None
+            async for chunk in res.content.iter_any():
+                if ttft is None and b'"content"' in chunk:
+                    ttft = time.perf_counter() - t0
+            return ttft
+    except aiohttp.ClientError:
+        return None
+
+
+async def run_policy(
+    policy: str, items: Sequence[WorkItem], speedup: float, replicas: int, show: bool
+) -> RunResult:
+    async with simulated_fleet(replicas, speedup) as urls:
+        server, task, gw = await _serve_gateway(urls, policy)
+        ttfts: list[float] = []
+        errors = 0
+        tty = sys.stdout.isatty()
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as h:
+                t_start = time.perf_counter()
+
+                async def fire(item: WorkItem) -> None:
+                    nonlocal errors
+                    delay = item.arrival_s / speedup - (time.perf_counter() - t_start)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    ttft = await _one(h, gw, item, "qwen2.5-14b")
+                    if ttft is None:
+                        errors += 1
+                    else:
+                        ttfts.append(ttft * speedup)
+                    done = len(ttfts) + errors
+                    if show and (done % 10 == 0 or done == len(items)):
+                        xs = sorted(ttfts)
+                        p50 = xs[len(xs) // 2] if xs else 0.0
+                        print(
+                            f"\r  {policy:<14} {done:>4}/{len(items)} requests   TTFT p50 {p50 * 1000:7.0f} ms",
+                            end="",
+                            flush=True,
+                        )
+
+                await asyncio.gather(*(fire(w) for w in items))
+                wall = time.perf_counter() - t_start
+                prompt = hits = 0
+                for u in urls:
+                    async with h.get(u + "/sim/stats") as res:
+                        st = await res.json()
+                    prompt += int(st["prompt_tokens"])
+                    hits += int(st["prefix_hit_tokens"])
+            if show and tty:
+                print()
+        finally:
+            server.should_exit = True
+            await task
+    return RunResult(policy, ttfts, errors, wall, prompt, hits, speedup)
+
+
+def workload(n: int, seed: int) -> list[WorkItem]:
+    # 24 system prompts of 3-5K tokens (~96K tokens of shared prefix) with short user turns
+    return shared_prompts(
+        n,
+        k=24,
+        rate=3.0,
+        prompt_tokens=(3000, 5000),
+        user_tokens=(20, 80),
+        max_tokens=32,
+        seed=seed,
+    )
+
+
+def format_table(results: Sequence[RunResult]) -> str:
+    lines = [
+        f"{'policy':<14} {'hit ratio':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'req/s':>7} {'errors':>6}"
+    ]
+    for r in results:
+        lines.append(
+            f"{r.policy:<14} {r.hit_ratio:>9.2f} {r.pct(0.5) * 1000:>8.0f}ms {r.pct(0.99) * 1000:>8.0f}ms "
+            f"{r.throughput:>7.2f} {r.errors:>6}"
+        )
+    if len(results) == 2 and results[1].pct(0.5) > 0:
+        a, b = results
+        lines.append(
+            f"\n{b.policy} vs {a.policy}: hit ratio {b.hit_ratio:.2f} vs {a.hit_ratio:.2f}, "
+            f"TTFT p50 {a.pct(0.5) / b.pct(0.5):.1f}x lower, p99 {a.pct(0.99) / b.pct(0.99):.1f}x lower"
+        )
+    return "\n".join(lines)
+
+
+async def demo(
+    requests: int = 300,
+    speedup: float = 5.0,
+    replicas: int = 4,
+    seed: int = 0,
+    policies: Sequence[str] = ("round_robin", "prefix_aware"),
+) -> list[RunResult]:
+    items = workload(requests, seed)
+    show = True
+    print(
+        f"demo: {replicas} simulated replicas (qwen2.5-14b on A100-80G, ~63K tokens of KV each), "
+        f"{requests} chat requests sharing 24 system prompts of 3-5K tokens, simulator speedup {speedup:g}x"
+    )
+    results = [await run_policy(p, items, speedup, replicas, show) for p in policies]
+    print()
+    print(format_table(results))
+    print("\n(times are simulated seconds: what these requests would see on the modelled GPUs)")
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="gateway demo")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--speedup", type=float, default=8.0)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
+    asyncio.run(demo(args.requests, args.speedup, args.replicas, args.seed))
+    return 0
