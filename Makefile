@@ -17,7 +17,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/gateway demo
 
 test: $(VENV)/.installed
-	scripts/ensure-redis
+	scripts/ensure-deps
 	$(PY) -m pytest
 
 lint: $(VENV)/.installed
