@@ -291,3 +291,17 @@ class Admission:
 
 def _retry_after(cfg: PriorityClassConfig) -> float:
     return min(max(1.0, cfg.max_queue_wait_s), _RETRY_AFTER_MAX_S)
+
+
+def shed_all(admission: Admission) -> int:
+    """Shed every waiter of a retired Admission (its classes were reconfigured); returns how many."""
+    n = 0
+    for pool, pq in admission._pools.items():  # noqa: SLF001 - same module family, retiring it whole
+        for _, cq in pq.classes:
+            while (w := cq.oldest()) is not None:
+                cq.remove(w)
+                if w.wake is not None and not w.wake.done():
+                    w.wake.set_result(_SHED)
+                    n += 1
+        admission.notify(pool)
+    return n

@@ -27,7 +27,11 @@ def _parser() -> argparse.ArgumentParser:
     common(sub.add_parser("serve", help="serve the gateway (the default command)"))
     check = sub.add_parser("check", help="validate a config and print it resolved")
     check.add_argument("--config", "-c", required=True)
-    sub.add_parser("demo", help="simulated replicas, round robin vs prefix-aware (add -h for options)", add_help=False)
+    sub.add_parser(
+        "demo",
+        help="simulated replicas, round robin vs prefix-aware (add -h for options)",
+        add_help=False,
+    )
     return p
 
 

@@ -52,7 +52,9 @@ class ServerConfig(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
     expose_upstream_errors: bool = True
-    admin_key: SecretStr | None = None  # required (Bearer) on /dashboard, /admin/*, /debug/*; unset: those are off
+    admin_key: SecretStr | None = (
+        None  # required (Bearer) on /dashboard, /admin/*, /debug/*; unset: those are off
+    )
 
 
 class HealthConfig(_Strict):

@@ -90,7 +90,6 @@ class ProxyEndpoint:
     def __init__(self, pipeline: Pipeline, kind: Kind) -> None:
         self.pipeline = pipeline
         self.kind = kind
-        self.max_body = pipeline.gw.config.server.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ctx = Ctx(time.perf_counter_ns())
@@ -100,7 +99,7 @@ class ProxyEndpoint:
         if tracing.enabled:
             ctx.trace = tracing.start(headers, time.time_ns())
         try:
-            raw = await read_body(scope, receive, self.max_body)
+            raw = await read_body(scope, receive, pipeline.gw.config.server.max_body_bytes)
         except ClientGone:
             ctx.outcome = "client_disconnected"
             await pipeline.finish(ctx, None)

@@ -74,6 +74,7 @@ class ReplicaState:
     ttft_ewma_s: float | None = None
     served_models: frozenset[str] = frozenset()  # from the replica's /v1/models
     on_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
+    _idle: asyncio.Event | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, pool_name: str, pool: PoolConfig, rc: ReplicaConfig) -> ReplicaState:
@@ -89,6 +90,27 @@ class ReplicaState:
         )
 
     # --- what routing reads ---------------------------------------------------------------
+    def update(self, pool: PoolConfig, rc: ReplicaConfig) -> None:
+        """Take a reloaded config's settings, keeping counters, circuit state and scraped load."""
+        self.max_inflight = pool.max_inflight_per_replica
+        self.circuit.failures_to_open = pool.health.failures_to_open
+        self.circuit.open_s = pool.health.open_s
+        self.models = frozenset(rc.models)
+        self.capacity_blocks = rc.capacity_blocks or pool.capacity_blocks
+        self.stale_after_s = pool.scrape.stale_after_s
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight (the replica is draining); False on timeout."""
+        if self.inflight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
     def available(self, now: float) -> bool:
         return not self.draining and self.circuit.current(now) != OPEN
 
@@ -126,6 +148,8 @@ class ReplicaState:
 
     def finished(self) -> None:
         self.inflight = max(0, self.inflight - 1)
+        if self.inflight == 0 and self._idle is not None:
+            self._idle.set()
 
     def observe_ttft(self, ttft_s: float) -> None:
         self.ttft_ewma_s = (

@@ -1,13 +1,18 @@
-"""`Gateway`: everything the request path runs on, built once from a Config and passed down.
+"""`Gateway`: everything the request path runs on, built from a Config and passed down.
 
-Pools (replica state + policy), the prefix index and chunker, the upstream HTTP session, metrics,
-tracing and the background monitors. `start()`/`stop()` belong to the app's lifespan.
+Pools (replica state + policy), the prefix index and chunker, tenants, rate limiter, admission,
+the upstream HTTP session, metrics, tracing and the per-replica monitors. `start()`/`stop()`
+belong to the app's lifespan; `reconfigure()` (hot reload) and `set_endpoints()` (discovery)
+swap pools atomically, keeping the state of replicas that stay and draining those that go.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,14 +22,16 @@ from policies import Policy, build_policy
 from prefix_index import PrefixIndex, open_index
 from prefix_index.chunking import Chunker, make_chunker
 
-from .admission import Admission
-from .config import Config, PoolConfig
+from .admission import Admission, shed_all
+from .config import Config, PoolConfig, ReplicaConfig
 from .proxy import make_session
 from .ratelimit import RateLimiter, open_rate_limiter
 from .replicas import ReplicaMonitor, ReplicaState
 from .telemetry import Metrics
 from .tenants import TenantDirectory
 from .tracing import Tracing
+
+log = logging.getLogger("gateway")
 
 
 @dataclass(slots=True)
@@ -45,6 +52,10 @@ class Pool:
         return any(r.available(now) for r in self.replicas)
 
 
+def _needs_limiter(config: Config) -> bool:
+    return any(t.limits.rules() or t.limits.per_model for t in config.tenants)
+
+
 class Gateway:
     def __init__(self, config: Config, *, tracing: Tracing | None = None) -> None:
         self.config = config
@@ -59,19 +70,44 @@ class Gateway:
             config.priority_classes, shed_status=config.admission.shed_status
         )
         self.limiter: RateLimiter | None = None
-        self.pools: dict[str, Pool] = {}
-        for i, (name, pc) in enumerate(config.pools.items()):
-            replicas = [ReplicaState.from_config(name, pc, rc) for rc in pc.replicas]
-            for r in replicas:  # a circuit that closes may let queued requests through
-                r.on_change = lambda r: self.admission.notify(r.pool)
-            policy = build_policy(pc.policy, seed=i)
-            self.pools[name] = Pool(name, pc, replicas, policy, {r.name: r for r in replicas})
+        self.pools: dict[str, Pool] = self._build_pools(config, {})
         self.metrics.watch_replicas(self.all_replicas)
-        self.metrics.watch_admission(self.admission)
+        self.metrics.watch_admission(lambda: self.admission)
         self.recent: deque[dict[str, Any]] = deque(maxlen=200)  # last routing decisions
         self.index: PrefixIndex | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._monitors: list[ReplicaMonitor] = []
+        self._monitors: dict[int, ReplicaMonitor] = {}  # id(ReplicaState) -> its monitor
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    # --- building ------------------------------------------------------------------------------
+    def _build_pools(self, config: Config, old: dict[str, Pool]) -> dict[str, Pool]:
+        pools: dict[str, Pool] = {}
+        for i, (name, pc) in enumerate(config.pools.items()):
+            prev = old.get(name)
+            replicas = self._replicas(name, pc, pc.replicas, prev)
+            policy = (
+                prev.policy
+                if prev is not None and prev.config.policy == pc.policy
+                else build_policy(pc.policy, seed=i)
+            )
+            pools[name] = Pool(name, pc, replicas, policy, {r.name: r for r in replicas})
+        return pools
+
+    def _replicas(
+        self, pool: str, pc: PoolConfig, configs: Iterable[ReplicaConfig], prev: Pool | None
+    ) -> list[ReplicaState]:
+        """Replica states for `configs`, reusing (and updating) those that already exist."""
+        out = []
+        for rc in configs:
+            old = prev.by_name.get(rc.display_name) if prev is not None else None
+            if old is not None and old.url == rc.url:
+                old.update(pc, rc)
+                out.append(old)
+                continue
+            r = ReplicaState.from_config(pool, pc, rc)
+            r.on_change = lambda r: self.admission.notify(r.pool)  # a closed circuit frees capacity
+            out.append(r)
+        return out
 
     def all_replicas(self) -> list[ReplicaState]:
         return [r for p in self.pools.values() for r in p.replicas]
@@ -81,28 +117,30 @@ class Gateway:
         assert self._session is not None, "Gateway.start() was not awaited"
         return self._session
 
+    # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        ic = self.config.index
-        self.index = open_index(
+        self.index = self._open_index(self.config)
+        if _needs_limiter(self.config):
+            self.limiter = open_rate_limiter(
+                self.config.ratelimit.backend, self.config.ratelimit.redis_url
+            )
+        self._session = make_session(max(p.config.timeouts.connect_s for p in self.pools.values()))
+        self._sync_monitors()
+
+    @staticmethod
+    def _open_index(config: Config) -> PrefixIndex:
+        ic = config.index
+        return open_index(
             ic.backend, redis_url=ic.redis_url, capacity_blocks=ic.capacity_blocks, ttl_s=ic.ttl_s
         )
-        rl = self.config.ratelimit
-        if any(t.limits.rules() or t.limits.per_model for t in self.config.tenants):
-            self.limiter = open_rate_limiter(rl.backend, rl.redis_url)
-        set_capacity = getattr(self.index, "set_capacity", None)
-        self._session = make_session(max(p.config.timeouts.connect_s for p in self.pools.values()))
-        for pool in self.pools.values():
-            for r in pool.replicas:
-                if set_capacity is not None and r.capacity_blocks:
-                    set_capacity(r.name, r.capacity_blocks)
-                m = ReplicaMonitor(r, self._session, pool.config.health, pool.config.scrape)
-                m.start()
-                self._monitors.append(m)
 
     async def stop(self) -> None:
-        for m in self._monitors:
+        for m in self._monitors.values():
             await m.stop()
         self._monitors.clear()
+        for t in list(self._retiring):
+            t.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
         if self.index is not None:
             await self.index.aclose()
         if self.limiter is not None:
@@ -110,3 +148,104 @@ class Gateway:
         if self._session is not None:
             await self._session.close()
         await self.tracing.aclose()
+
+    def _sync_monitors(self) -> None:
+        """Monitors for every live replica; a replica's index capacity set when it appears."""
+        set_capacity = getattr(self.index, "set_capacity", None)
+        for pool in self.pools.values():
+            for r in pool.replicas:
+                if id(r) in self._monitors:
+                    continue
+                if set_capacity is not None and r.capacity_blocks:
+                    set_capacity(r.name, r.capacity_blocks)
+                m = ReplicaMonitor(r, self.session, pool.config.health, pool.config.scrape)
+                m.start()
+                self._monitors[id(r)] = m
+
+    def _retire(self, gone: Iterable[ReplicaState], grace_s: float) -> None:
+        """Stop routing to replicas that left: in-flight requests finish, then the index forgets them."""
+        for r in gone:
+            r.draining = True
+            monitor = self._monitors.pop(id(r), None)
+            task = asyncio.create_task(self._drain(r, monitor, grace_s), name=f"drain:{r.name}")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _drain(self, r: ReplicaState, monitor: ReplicaMonitor | None, grace_s: float) -> None:
+        if monitor is not None:
+            await monitor.stop()
+        if not await r.drained(grace_s):
+            log.warning(
+                "replica %s: %d requests still in flight after %.0f s of draining",
+                r.name,
+                r.inflight,
+                grace_s,
+            )
+        live = {x.name for x in self.all_replicas()}
+        if self.index is not None and r.name not in live:  # a replica of that name may be back
+            await self.index.forget(r.name)
+        log.info("replica %s removed (pool %s)", r.name, r.pool)
+
+    # --- changes while running -------------------------------------------------------------------
+    async def reconfigure(self, config: Config) -> None:
+        """Swap in a new, already validated config without dropping in-flight requests.
+
+        Kept: replicas that stay (circuit, load, counters), policies whose spec is unchanged (their
+        learned state), the index and the rate limiter when their settings are unchanged.
+        """
+        old = self.config
+        pools = self._build_pools(config, self.pools)
+        tenants = TenantDirectory(config.auth, config.tenants, config.priority_classes)
+        index = self.index if config.index == old.index else self._open_index(config)
+        limiter = self.limiter
+        if not _needs_limiter(config):
+            limiter = None
+        elif limiter is None or config.ratelimit != old.ratelimit:
+            limiter = open_rate_limiter(config.ratelimit.backend, config.ratelimit.redis_url)
+        admission = self.admission
+        if config.priority_classes != old.priority_classes or config.admission != old.admission:
+            admission = Admission(config.priority_classes, shed_status=config.admission.shed_status)
+        if config.index.chunking != old.index.chunking:
+            ch = config.index.chunking
+            self.chunker = make_chunker(
+                ch.mode,
+                block_bytes=ch.block_bytes,
+                tokenizer=ch.tokenizer,
+                block_size=ch.block_size,
+            )
+        kept = {id(r) for p in pools.values() for r in p.replicas}
+        gone = [r for r in self.all_replicas() if id(r) not in kept]
+        # the swap: no await between these lines, so every request sees one config or the other
+        old_index, old_limiter, old_admission = self.index, self.limiter, self.admission
+        self.config, self.pools, self.tenants = config, pools, tenants
+        self.index, self.limiter, self.admission = index, limiter, admission
+        self._retire(gone, max((p.config.timeouts.total_s for p in pools.values()), default=60.0))
+        self._sync_monitors()
+        if old_admission is not admission:
+            shed = shed_all(old_admission)
+            if shed:
+                log.warning("reload: priority classes changed; %d queued requests were shed", shed)
+        if old_index is not index and old_index is not None:
+            log.warning("reload: index settings changed; the prefix index starts empty")
+            await old_index.aclose()
+        if old_limiter is not limiter and old_limiter is not None:
+            await old_limiter.aclose()
+
+    def set_endpoints(self, pool_name: str, endpoints: Iterable[tuple[str, str]]) -> None:
+        """Discovery's answer for a pool: (name, url) of every ready replica, the whole set."""
+        pool = self.pools.get(pool_name)
+        if pool is None:
+            return
+        configs = [ReplicaConfig(url=url, name=name) for name, url in endpoints]
+        replicas = self._replicas(pool_name, pool.config, configs, pool)
+        kept = {id(r) for r in replicas}
+        gone = [r for r in pool.replicas if id(r) not in kept]
+        added = [r.name for r in replicas if id(r) not in self._monitors]
+        pool.replicas, pool.by_name = replicas, {r.name: r for r in replicas}
+        self._retire(gone, pool.config.timeouts.total_s)
+        self._sync_monitors()
+        if added or gone:
+            log.info(
+                "pool %s: discovery added %s, removed %s", pool_name, added, [r.name for r in gone]
+            )
+        self.admission.notify(pool_name)

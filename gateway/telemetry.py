@@ -174,16 +174,16 @@ class Metrics:
     def watch_replicas(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
         self.registry.register(_ReplicaCollector(replicas))
 
-    def watch_admission(self, admission: Admission) -> None:
+    def watch_admission(self, admission: Callable[[], Admission]) -> None:
         self.registry.register(_AdmissionCollector(admission))
 
 
 class _AdmissionCollector(Collector):
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Callable[[], Admission]) -> None:
         self._admission = admission
 
     def collect(self) -> Iterator[Metric]:
-        st = self._admission.stats()
+        st = self._admission().stats()
         qlen = GaugeMetricFamily(
             "gateway_queue_length",
             "Requests waiting at the gateway for a slot.",

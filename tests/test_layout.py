@@ -13,7 +13,7 @@ ALLOWED = {
     "prefix_index": set(),
     "policies": set(),
     "simulator": set(),
-    "gateway": {"prefix_index", "policies"},
+    "gateway": {"prefix_index", "policies", "simulator"},  # simulator: `gateway demo` only
 }
 
 
