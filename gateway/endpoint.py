@@ -22,6 +22,7 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
+WATCH_AFTER_S = 0.02  # a client that leaves is noticed within this long (then at once)
 DRAIN_BYTES = 1 << 20  # an over-limit body this close to the limit is read and dropped, see below
 
 
@@ -126,7 +127,11 @@ class ProxyEndpoint:
                 state["gone"] = True
                 task.cancel()
 
-        watcher = asyncio.create_task(watch_disconnect())
+        # most requests finish before this fires: no watcher task for them at all
+        watchers: list[asyncio.Task[None]] = []
+        timer = asyncio.get_running_loop().call_later(
+            WATCH_AFTER_S, lambda: watchers.append(asyncio.ensure_future(watch_disconnect()))
+        )
         error: GatewayError | None = None
         try:
             await pipeline.handle(self.kind, raw, headers, tracked_send, ctx)
@@ -146,5 +151,7 @@ class ProxyEndpoint:
                 await send_error(send, error)
         finally:
             state["done"] = True
-            watcher.cancel()
+            timer.cancel()
+            for w in watchers:
+                w.cancel()
         await pipeline.finish(ctx, error)

@@ -6,8 +6,8 @@ stamps a time on the request's `Ctx`; `finish` turns the Ctx into metrics and a 
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,7 +97,7 @@ class Pipeline:
         pool = self.pick_pool(req, tokens)
         ctx.pool, ctx.prompt_tokens = pool.name, tokens
         rid = headers.get(b"x-request-id")
-        ctx.request_id = rid.decode("latin-1")[:128] if rid else uuid.uuid4().hex
+        ctx.request_id = rid.decode("latin-1")[:128] if rid else os.urandom(16).hex()
         extra = [(b"x-request-id", ctx.request_id.encode("latin-1"))]
         extra += await self.limit(tenant, req, tokens, ctx)
         if not pool.any_available():
@@ -112,7 +112,7 @@ class Pipeline:
             ctx.t_admitted = ctx.t_route = time.perf_counter_ns()
             gw.metrics.queue_wait.labels(pool.name, ctx.priority).observe(waited)
             routed = self.routed_request(
-                req, headers, pool, scope, self.hash_prompt(scope, prompt), tokens, ctx
+                req, headers, pool, scope, self.hash_prompt(pool, scope, prompt), tokens, ctx
             )
             decision, views = await self.route(pool, routed)
             ctx.t_routed = time.perf_counter_ns()
@@ -188,8 +188,10 @@ class Pipeline:
             return scope, prompt, self.gw.chunker.estimate_tokens(prompt)
         return scope, prompt, len(prompt)
 
-    def hash_prompt(self, scope: str, prompt: str | list[int]) -> list[int]:
-        """Chained hashes of the prompt's full blocks."""
+    def hash_prompt(self, pool: Pool, scope: str, prompt: str | list[int]) -> list[int]:
+        """Chained hashes of the prompt's full blocks (none when the pool's policy ignores them)."""
+        if not pool.policy.needs_prefix:
+            return []
         chunker = self.gw.chunker
         return (
             chunker.hash_text(scope, prompt)

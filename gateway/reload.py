@@ -45,7 +45,9 @@ class ConfigReloader:
         self._task = asyncio.create_task(self._watch(), name="config-watch")
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload("SIGHUP")))
+            loop.add_signal_handler(
+                signal.SIGHUP, lambda: asyncio.ensure_future(self.reload("SIGHUP"))
+            )
             self._sighup = True
 
     async def stop(self) -> None:
@@ -73,7 +75,12 @@ class ConfigReloader:
                 config = load_config(self.path)
             except ConfigError as exc:
                 self.last_error = "; ".join(exc.problems)
-                log.error("reload (%s): %s is invalid, keeping the running config: %s", why, self.path, self.last_error)
+                log.error(
+                    "reload (%s): %s is invalid, keeping the running config: %s",
+                    why,
+                    self.path,
+                    self.last_error,
+                )
                 return False
             await self.gateway.reconfigure(config)
             self.digest, self.loaded_at, self.last_error = digest, time.time(), None

@@ -7,6 +7,7 @@ for them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -54,6 +55,22 @@ TPOT_BUCKETS = (
 )
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+
+
+class _Family:
+    """A labelled metric whose children are looked up once: `labels()` costs ~4 µs, a dict get ~0.1."""
+
+    __slots__ = ("metric", "_children")
+
+    def __init__(self, metric: Counter | Histogram) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
 
 
 class Metrics:
@@ -170,6 +187,10 @@ class Metrics:
             ["pool", "type"],
             registry=r,
         )
+
+        for name, value in list(vars(self).items()):
+            if isinstance(value, Counter | Histogram):
+                setattr(self, name, _Family(value))
 
     def watch_replicas(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
         self.registry.register(_ReplicaCollector(replicas))

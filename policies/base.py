@@ -68,7 +68,7 @@ class Policy:
     to score (it costs nothing) but still observes outcomes, so a learner can warm up in shadow.
     """
 
-    __slots__ = ("name", "filters", "scorers", "picker", "_keeps", "_active", "_learners")
+    __slots__ = ("name", "filters", "scorers", "picker", "needs_prefix", "_keeps", "_active", "_learners")
 
     def __init__(
         self,
@@ -94,6 +94,10 @@ class Policy:
         self._keeps = tuple(f.keep for f in self.filters)
         self._active = tuple(
             (s.name, s, w, getattr(s, "reason", s.name)) for s, w in self.scorers if w > 0
+        )
+        # whether any plugin reads hit_blocks; one that does not say counts as reading them
+        self.needs_prefix = any(
+            getattr(p, "needs_prefix", True) for p in (picker, *(s for _, s, _, _ in self._active))
         )
         plugins: list[object] = [*self.filters, *(s for s, _ in self.scorers), picker]
         self._learners = tuple(p for p in plugins if callable(getattr(p, "observe", None)))

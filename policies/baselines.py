@@ -17,6 +17,7 @@ from policies.types import ReplicaView, RoutedRequest
 
 class RoundRobinPicker:
     name = "round_robin"
+    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
 
     def __init__(self) -> None:
         self._next = 0
@@ -32,6 +33,7 @@ class RoundRobinPicker:
 
 class LeastLoadedPicker:
     name = "least_loaded"
+    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
 
     def __init__(self, *, rng: random.Random | None = None) -> None:
         self._rng = rng if rng is not None else random.Random()
@@ -45,6 +47,7 @@ class LeastLoadedPicker:
 
 class RandomPicker:
     name = "random"
+    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
 
     def __init__(self, *, rng: random.Random | None = None) -> None:
         self._rng = rng if rng is not None else random.Random()

@@ -30,9 +30,12 @@ class RoutedRequest:
         return len(self.block_hashes)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReplicaView:
-    """A read-only snapshot of one replica, taken when the request is routed.
+    """A snapshot of one replica, taken when the request is routed; plugins only read it.
+
+    Not frozen on purpose: the gateway builds one per replica per request, and a frozen
+    dataclass's __init__ costs several times more.
 
     `waiting`, `running` and `kv_usage` come from the last `/metrics` scrape and are None when
     unknown (never scraped, or the scrape is too old): unknown is not idle. `inflight` and

@@ -62,6 +62,7 @@ class LoadGuard:
 
 class MaxScorePicker:
     name = "max_score"
+    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
 
     def __init__(
         self,

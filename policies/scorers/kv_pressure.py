@@ -21,6 +21,7 @@ from policies.types import ReplicaView, RoutedRequest
 
 class KVPressureScorer:
     name = "kv_pressure"
+    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
     reason = "load"
 
     def __init__(self, *, unknown_usage: float = 0.5) -> None:

@@ -20,6 +20,7 @@ from policies.types import ReplicaView, RoutedRequest
 
 class QueueScorer:
     name = "queue"
+    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
     reason = "load"
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:

@@ -34,6 +34,7 @@ def _rendezvous(key: str, names: Sequence[str]) -> str:
 
 class SessionScorer:
     name = "session"
+    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
     reason = "session"
 
     def __init__(self, *, capacity: int = 65536) -> None:
