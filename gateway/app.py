@@ -168,8 +168,7 @@ def create_app(config: Config, *, tracing: Tracing | None = None) -> GatewayApp:
         return _json({"decisions": list(gateway.recent)})
 
     async def status(request: Request) -> Response:
-        # TODO(lead): `gateway.window` once Gateway holds it and Pipeline.finish feeds it
-        return _json(snapshot(gateway, getattr(gateway, "window", None)))
+        return _json(snapshot(gateway, gateway.window))
 
     async def dashboard(request: Request) -> Response:
         return Response(page, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)

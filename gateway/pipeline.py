@@ -417,21 +417,23 @@ class Pipeline:
             m.errors.labels(ctx.pool, exc.type).inc()
         elif ctx.outcome != "ok" and ctx.error_type:
             m.errors.labels(ctx.pool, ctx.error_type).inc()
-        m.requests.labels(
-            ctx.pool, ctx.replica, str(ctx.status or 499), ctx.priority or "none"
-        ).inc()
-        m.duration.labels(ctx.pool).observe((now - ctx.t_in) / 1e9)
-        if ctx.replica != "none" and ctx.status == 200:
-            pool, replica = ctx.pool, ctx.replica
+        pool, replica = ctx.pool, ctx.replica
+        e2e = (now - ctx.t_in) / 1e9
+        m.requests.labels(pool, replica, str(ctx.status or 499), ctx.priority or "none").inc()
+        m.duration.labels(pool).observe(e2e)
+        served = replica != "none" and ctx.status == 200
+        ttft = tpot = None
+        if served:
             m.attempts.labels(pool, replica, ctx.outcome).inc()
             if ctx.stream and ctx.t_first:
-                m.ttft.labels(pool, replica).observe((ctx.t_first - ctx.t_in) / 1e9)
+                ttft = (ctx.t_first - ctx.t_in) / 1e9
+                m.ttft.labels(pool, replica).observe(ttft)
                 if ctx.output_tokens and ctx.output_tokens > 1 and ctx.t_last > ctx.t_first:
-                    m.tpot.labels(pool, replica).observe(
-                        (ctx.t_last - ctx.t_first) / 1e9 / (ctx.output_tokens - 1)
-                    )
-            m.prompt_length.labels(pool).observe(ctx.input_tokens or ctx.prompt_tokens)
-            m.prompt_tokens.labels(pool).inc(ctx.input_tokens or ctx.prompt_tokens)
+                    tpot = (ctx.t_last - ctx.t_first) / 1e9 / (ctx.output_tokens - 1)
+                    m.tpot.labels(pool, replica).observe(tpot)
+            prompt = ctx.input_tokens or ctx.prompt_tokens
+            m.prompt_length.labels(pool).observe(prompt)
+            m.prompt_tokens.labels(pool).inc(prompt)
             if ctx.output_tokens:
                 m.output_tokens.labels(pool).inc(ctx.output_tokens)
             if ctx.prompt_blocks:
@@ -440,8 +442,22 @@ class Pipeline:
             if ctx.cached_tokens is not None and ctx.input_tokens:
                 m.observed_prompt_tokens.labels(pool).inc(ctx.input_tokens)
                 m.observed_cached_tokens.labels(pool).inc(ctx.cached_tokens)
-        elif ctx.replica != "none":
-            m.attempts.labels(ctx.pool, ctx.replica, f"status_{ctx.status // 100}xx").inc()
+        elif replica != "none":
+            m.attempts.labels(pool, replica, f"status_{ctx.status // 100}xx").inc()
+        if pool != "none":
+            self.gw.window.observe(
+                pool,
+                replica,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                e2e_s=e2e,
+                prompt_tokens=ctx.input_tokens or ctx.prompt_tokens,
+                prompt_blocks=ctx.prompt_blocks if served else 0,
+                predicted_hit_blocks=ctx.predicted_hit_blocks if served else 0,
+                cached_tokens=ctx.cached_tokens,
+                input_tokens=ctx.input_tokens,
+                ok=exc is None and ctx.outcome == "ok",
+            )
         if ctx.trace is not None:
             self._finish_trace(ctx, now)
 

@@ -30,6 +30,7 @@ from .replicas import ReplicaMonitor, ReplicaState
 from .telemetry import Metrics
 from .tenants import TenantDirectory
 from .tracing import Tracing
+from .window import RollingWindow
 
 log = logging.getLogger("gateway")
 
@@ -74,6 +75,7 @@ class Gateway:
         self.metrics.watch_replicas(self.all_replicas)
         self.metrics.watch_admission(lambda: self.admission)
         self.recent: deque[dict[str, Any]] = deque(maxlen=200)  # last routing decisions
+        self.window = RollingWindow()  # recent per-replica latencies and hit rates, for /dashboard
         self.index: PrefixIndex | None = None
         self._session: aiohttp.ClientSession | None = None
         self._monitors: dict[int, ReplicaMonitor] = {}  # id(ReplicaState) -> its monitor

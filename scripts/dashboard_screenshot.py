@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -26,44 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway import create_app, parse_config  # noqa: E402
-from gateway.pipeline import Ctx, Pipeline  # noqa: E402
-from gateway.window import RollingWindow  # noqa: E402
 from simulator import Fleet  # noqa: E402
 from tests.support import serving  # noqa: E402
 
 KEY = "demo-admin-key"
 CHROMIUM = "/usr/bin/chromium"
-
-
-def attach_window(gateway: Any) -> None:
-    """Until Pipeline.finish feeds `gateway.window` itself, feed one from here."""
-    if getattr(gateway, "window", None) is not None:
-        return
-    window = gateway.window = RollingWindow()
-    original = Pipeline.finish
-
-    async def finish(self: Pipeline, ctx: Ctx, exc: Any) -> None:
-        await original(self, ctx, exc)
-        served = ctx.replica != "none" and ctx.status == 200
-        streamed = served and ctx.stream and ctx.t_first > 0
-        tpot = None
-        if streamed and (ctx.output_tokens or 0) > 1 and ctx.t_last > ctx.t_first:
-            tpot = (ctx.t_last - ctx.t_first) / 1e9 / ((ctx.output_tokens or 2) - 1)
-        window.observe(
-            ctx.pool,
-            ctx.replica,
-            ttft_s=(ctx.t_first - ctx.t_in) / 1e9 if streamed else None,
-            tpot_s=tpot,
-            e2e_s=(time.perf_counter_ns() - ctx.t_in) / 1e9,
-            prompt_tokens=ctx.input_tokens or ctx.prompt_tokens,
-            prompt_blocks=ctx.prompt_blocks if served else 0,
-            predicted_hit_blocks=ctx.predicted_hit_blocks if served else 0,
-            cached_tokens=ctx.cached_tokens,
-            input_tokens=ctx.input_tokens,
-            ok=exc is None and ctx.outcome == "ok",
-        )
-
-    Pipeline.finish = finish  # type: ignore[method-assign]
 
 
 async def drive(url: str, model: str, seconds: float, stop: asyncio.Event) -> int:
@@ -135,7 +101,6 @@ async def main(out: Path, seconds: float) -> None:
         }
         app = create_app(parse_config(cfg))
         async with serving(app, lifespan="on") as gw:
-            attach_window(app.gateway)
             stop = asyncio.Event()
             load = asyncio.create_task(drive(gw.url, model, seconds, stop))
             await asyncio.sleep(seconds * 0.7)

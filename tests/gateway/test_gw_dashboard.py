@@ -8,7 +8,6 @@ import json
 import os
 import re
 import struct
-import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,6 @@ import pytest
 import yaml
 
 from gateway import create_app, parse_config
-from gateway.pipeline import Ctx, Pipeline
 from gateway.runtime import Gateway
 from gateway.status import snapshot
 from gateway.window import RollingWindow, quantile
@@ -146,41 +144,7 @@ def test_quantile_is_nearest_rank() -> None:
 
 # --- /admin/status and the guard ---------------------------------------------------------------
 def window_of(gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> RollingWindow:
-    """The gateway's window. Until the lead's wiring lands (Gateway holds `window`, Pipeline.finish
-    feeds it), attach one and feed it from `finish` the way that wiring will."""
-    window = getattr(gw, "window", None)
-    if window is not None:
-        return window
-    window = gw.window = RollingWindow()
-    original = Pipeline.finish
-
-    async def finish(self: Pipeline, ctx: Ctx, exc: Any) -> None:
-        await original(self, ctx, exc)
-        feed_window(window, ctx, exc is None and ctx.outcome == "ok")
-
-    monkeypatch.setattr(Pipeline, "finish", finish)
-    return window
-
-
-def feed_window(window: RollingWindow, ctx: Ctx, ok: bool) -> None:
-    served = ctx.replica != "none" and ctx.status == 200
-    streamed = served and ctx.stream and ctx.t_first > 0
-    tpot = None
-    if streamed and ctx.output_tokens and ctx.output_tokens > 1 and ctx.t_last > ctx.t_first:
-        tpot = (ctx.t_last - ctx.t_first) / 1e9 / (ctx.output_tokens - 1)
-    window.observe(
-        ctx.pool,
-        ctx.replica,
-        ttft_s=(ctx.t_first - ctx.t_in) / 1e9 if streamed else None,
-        tpot_s=tpot,
-        e2e_s=(time.perf_counter_ns() - ctx.t_in) / 1e9,
-        prompt_tokens=ctx.input_tokens or ctx.prompt_tokens,
-        prompt_blocks=ctx.prompt_blocks if served else 0,
-        predicted_hit_blocks=ctx.predicted_hit_blocks if served else 0,
-        cached_tokens=ctx.cached_tokens,
-        input_tokens=ctx.input_tokens,
-        ok=ok,
-    )
+    return gw.window
 
 
 async def chat(
