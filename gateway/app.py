@@ -31,6 +31,7 @@ from .config import Config
 from .endpoint import ProxyEndpoint, Receive, Scope, Send
 from .errors import GatewayError, MethodNotAllowed, NotFound, Unauthorized, error_payload
 from .pipeline import Pipeline
+from .reload import ConfigReloader
 from .runtime import Gateway
 from .status import snapshot
 from .tracing import Tracing
@@ -56,12 +57,15 @@ def _error(exc: GatewayError) -> Response:
     return _json(error_payload(exc), exc.status, exc.headers())
 
 
-def admin_only(config: Config, handler: Handler) -> Handler:
-    """Guard an admin route: Bearer `server.admin_key` (constant-time compare), 404 when no key."""
-    key = config.server.admin_key
-    expected = key.get_secret_value().encode() if key is not None else None
+def admin_only(gateway: Gateway, handler: Handler) -> Handler:
+    """Guard an admin route: Bearer `server.admin_key` (constant-time compare), 404 when no key.
+
+    The key is read per request, so a reloaded config's key applies at once.
+    """
 
     async def guarded(request: Request) -> Response:
+        key = gateway.config.server.admin_key
+        expected = key.get_secret_value().encode() if key is not None else None
         if expected is None:  # admin routes are off unless a key is configured
             return _error(NotFound(f"Unknown path {request.url.path}", code="unknown_url"))
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -140,8 +144,12 @@ class _ModelList:
         return [merged[k] for k in sorted(merged)]
 
 
-def create_app(config: Config, *, tracing: Tracing | None = None) -> GatewayApp:
+def create_app(
+    config: Config, *, tracing: Tracing | None = None, config_path: str | None = None
+) -> GatewayApp:
+    """The ASGI app. With `config_path`, the file is watched and SIGHUP reloads it (hot reload)."""
     gateway = Gateway(config, tracing=tracing)
+    reloader = ConfigReloader(gateway, config_path) if config_path else None
     models = _ModelList(gateway)
     page = (importlib.resources.files("gateway") / "static" / "dashboard.html").read_bytes()
 
@@ -170,6 +178,18 @@ def create_app(config: Config, *, tracing: Tracing | None = None) -> GatewayApp:
     async def status(request: Request) -> Response:
         return _json(snapshot(gateway, gateway.window))
 
+    async def active_config(request: Request) -> Response:
+        version = reloader.version() if reloader is not None else {"source": None, "reloads": 0}
+        return _json({"version": version, "config": gateway.config.redacted()})
+
+    async def reload_now(request: Request) -> Response:
+        if reloader is None:
+            return _error(
+                NotFound("This gateway was not started from a config file", code="no_config_file")
+            )
+        ok = await reloader.reload("admin request")
+        return _json({"applied": ok, "version": reloader.version()}, 200 if ok else 422)
+
     async def dashboard(request: Request) -> Response:
         return Response(page, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
 
@@ -186,9 +206,13 @@ def create_app(config: Config, *, tracing: Tracing | None = None) -> GatewayApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gateway.start()
+        if reloader is not None:
+            reloader.start()
         try:
             yield
         finally:
+            if reloader is not None:
+                await reloader.stop()
             await gateway.stop()
 
     rest = Starlette(
@@ -197,8 +221,10 @@ def create_app(config: Config, *, tracing: Tracing | None = None) -> GatewayApp:
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
-            Route("/debug/decisions", admin_only(config, decisions), methods=["GET"]),
-            Route("/admin/status", admin_only(config, status), methods=["GET"]),
+            Route("/debug/decisions", admin_only(gateway, decisions), methods=["GET"]),
+            Route("/admin/status", admin_only(gateway, status), methods=["GET"]),
+            Route("/admin/config", admin_only(gateway, active_config), methods=["GET"]),
+            Route("/admin/reload", admin_only(gateway, reload_now), methods=["POST"]),
             Route("/dashboard", dashboard, methods=["GET"]),
             Route("/v1/chat/completions", health, methods=["POST"]),  # served by GatewayApp
             Route("/v1/completions", health, methods=["POST"]),

@@ -51,14 +51,14 @@ def _overridden(config: Config, args: argparse.Namespace) -> Config:
     return config.model_copy(update={"server": server})
 
 
-def serve(config: Config) -> None:
+def serve(config: Config, config_path: str | None = None) -> None:
     import uvicorn
 
     from .app import create_app
     from .logs import setup_logging
 
     setup_logging(config.server.log_level, config.server.log_format)
-    app = create_app(config)
+    app = create_app(config, config_path=config_path)
     uv = uvicorn.Config(
         app,
         host=config.server.host,
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(config.redacted(), indent=2))
         print(f"gateway: {args.config} is valid", file=sys.stderr)
         return 0
-    serve(_overridden(config, args))
+    serve(_overridden(config, args), args.config)
     return 0
 
 

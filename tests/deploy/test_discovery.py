@@ -224,8 +224,11 @@ class FakeApi:
 
     async def bookmark(self) -> int:
         self.rv += 1
-        obj = {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1",
-               "metadata": {"resourceVersion": str(self.rv)}}  # fmt: skip
+        obj = {
+            "kind": "EndpointSlice",
+            "apiVersion": "discovery.k8s.io/v1",
+            "metadata": {"resourceVersion": str(self.rv)},
+        }
         self.history.append((self.rv, {"type": "BOOKMARK", "object": obj}))
         async with self.changed:
             self.changed.notify_all()
@@ -252,7 +255,7 @@ class FakeApi:
         q["namespace"] = request.match_info["ns"]
         self.requests.append(q)
         if request.match_info["ns"] != self.namespace:
-            return web.json_response({"kind": "EndpointSliceList", "metadata": {"resourceVersion": str(self.rv)}, "items": []})  # fmt: skip
+            return web.json_response({"kind": "Status", "code": 403}, status=403)
         selector = q.get("labelSelector", "")
         if q.get("watch") != "true":
             if self.fail_lists:
@@ -260,8 +263,11 @@ class FakeApi:
                 return web.json_response({"kind": "Status", "code": 500}, status=500)
             items = [s for s in self.slices.values() if self._selected(s, selector)]
             q["answered_rv"] = str(self.rv)
-            body = {"kind": "EndpointSliceList", "metadata": {"resourceVersion": str(self.rv)},
-                    "items": items}  # fmt: skip
+            body = {
+                "kind": "EndpointSliceList",
+                "metadata": {"resourceVersion": str(self.rv)},
+                "items": items,
+            }
             return web.json_response(body)
         since = int(q["resourceVersion"])
         if self.http_gone_once:
@@ -292,8 +298,14 @@ class FakeApi:
 
     @staticmethod
     def _gone() -> dict[str, Any]:
-        status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410,
-                  "reason": "Expired", "message": "too old resource version"}  # fmt: skip
+        status = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "code": 410,
+            "reason": "Expired",
+            "message": "too old resource version",
+        }
         return {"type": "ERROR", "object": status}
 
     @staticmethod
