@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +23,12 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--port", type=int, help="override server.port")
         sp.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
         sp.add_argument("--log-format", choices=["text", "json"])
+        sp.add_argument(
+            "--workers",
+            type=int,
+            default=1,
+            help="gateway processes (needs Redis-backed index and limits)",
+        )
 
     common(p, config_required=False)
     common(sub.add_parser("serve", help="serve the gateway (the default command)"))
@@ -35,32 +42,65 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _overridden(config: Config, args: argparse.Namespace) -> Config:
-    server = config.server.model_copy(
-        update={
-            k: v
-            for k, v in {
-                "host": args.host,
-                "port": args.port,
-                "log_level": args.log_level,
-                "log_format": args.log_format,
-            }.items()
-            if v is not None
-        }
-    )
-    return config.model_copy(update={"server": server})
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    given = {
+        "host": args.host,
+        "port": args.port,
+        "log_level": args.log_level,
+        "log_format": args.log_format,
+    }
+    return {k: v for k, v in given.items() if v is not None}
 
 
-def serve(config: Config, config_path: str | None = None) -> None:
+def _overridden(config: Config, overrides: dict[str, object]) -> Config:
+    return config.model_copy(update={"server": config.server.model_copy(update=overrides)})
+
+
+def scale_out_problems(config: Config, workers: int) -> list[str]:
+    """What stops several gateway processes from sharing one picture of the fleet."""
+    if workers <= 1:
+        return []
+    out = []
+    if config.index.backend != "redis":
+        out.append(
+            "index.backend: must be redis with --workers > 1 (each process would learn its own prefix index)"
+        )
+    if (
+        any(t.limits.rules() or t.limits.per_model for t in config.tenants)
+        and config.ratelimit.backend != "redis"
+    ):
+        out.append(
+            "ratelimit.backend: must be redis with --workers > 1 (each process would enforce its own limits)"
+        )
+    return out
+
+
+def app_from_env() -> object:
+    """uvicorn's factory for worker processes: the config path and overrides come from the environment."""
+    from .app import create_app
+    from .logs import setup_logging
+
+    path = os.environ["KVGATEWAY_CONFIG"]
+    config = load_config(path)
+    overrides = json.loads(os.environ.get("KVGATEWAY_OVERRIDES", "{}"))
+    config = config.model_copy(update={"server": config.server.model_copy(update=overrides)})
+    setup_logging(config.server.log_level, config.server.log_format)
+    return create_app(config, config_path=path)
+
+
+def serve(
+    config: Config,
+    config_path: str | None = None,
+    workers: int = 1,
+    overrides: dict[str, object] | None = None,
+) -> None:
     import uvicorn
 
     from .app import create_app
     from .logs import setup_logging
 
     setup_logging(config.server.log_level, config.server.log_format)
-    app = create_app(config, config_path=config_path)
-    uv = uvicorn.Config(
-        app,
+    common = dict(
         host=config.server.host,
         port=config.server.port,
         loop="uvloop",
@@ -69,10 +109,16 @@ def serve(config: Config, config_path: str | None = None) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(config.server.graceful_shutdown_s),
-        limit_concurrency=None,
         h11_max_incomplete_event_size=64 * 1024,
     )
-    uvicorn.Server(uv).run()
+    if workers > 1:
+        assert config_path is not None
+        os.environ["KVGATEWAY_CONFIG"] = config_path
+        os.environ["KVGATEWAY_OVERRIDES"] = json.dumps(overrides or {})
+        uvicorn.run("gateway.cli:app_from_env", factory=True, workers=workers, **common)  # type: ignore[arg-type]
+        return
+    app = create_app(config, config_path=config_path)
+    uvicorn.Server(uvicorn.Config(app, **common)).run()  # type: ignore[arg-type]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,7 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(config.redacted(), indent=2))
         print(f"gateway: {args.config} is valid", file=sys.stderr)
         return 0
-    serve(_overridden(config, args), args.config)
+    problems = scale_out_problems(config, args.workers)
+    if problems:
+        print(f"gateway: cannot run {args.workers} workers with {args.config}:", file=sys.stderr)
+        for line in problems:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    overrides = _overrides(args)
+    serve(_overridden(config, overrides), args.config, args.workers, overrides)
     return 0
 
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import uvicorn
+import yaml
 
 
 def free_port() -> int:
@@ -74,3 +79,37 @@ async def poll_until(cond: Any, timeout_s: float = 10.0, every_s: float = 0.01) 
         if loop.time() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s")
         await asyncio.sleep(every_s)
+
+
+def gateway_process(
+    cfg: dict[str, Any], tmp: Path, *args: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`gateway --config` in its own process on a free port; output goes to a log beside the config."""
+    port = free_port()
+    cfg = {**cfg, "server": {**cfg.get("server", {}), "host": "127.0.0.1", "port": port}}
+    path = tmp / f"gw-{port}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with open(tmp / f"gw-{port}.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "--config", str(path), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """Poll /ready until 200; fail if the process exits first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with aiohttp.ClientSession() as h:
+        while loop.time() < deadline:
+            assert proc.poll() is None, "gateway process exited"
+            try:
+                async with h.get(url + "/ready") as res:
+                    if res.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError("gateway did not become ready")

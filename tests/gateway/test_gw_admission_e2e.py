@@ -7,8 +7,6 @@ import hashlib
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -17,11 +15,10 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-import yaml
 
 from tests.gateway.conftest import rig
 from tests.gateway.upstream import Upstream
-from tests.support import free_port, poll_until, start_server
+from tests.support import gateway_process, poll_until, start_server, wait_ready
 
 KEYS = {"a": "key-a-" + "x" * 20, "b": "key-b-" + "y" * 20}
 
@@ -120,34 +117,6 @@ async def test_rate_limit_exact_under_a_burst_one_gateway() -> None:
     assert ok["x-ratelimit-limit-requests"] == "100"
 
 
-def _gateway_process(cfg: dict[str, Any], tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cfg = {**cfg, "server": {"host": "127.0.0.1", "port": port}}
-    path = tmp / f"gw-{port}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with open(tmp / f"gw-{port}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "--config", str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    return proc, f"http://127.0.0.1:{port}"
-
-
-async def _ready(url: str, proc: subprocess.Popen[bytes]) -> None:
-    async with aiohttp.ClientSession() as h:
-        for _ in range(600):
-            assert proc.poll() is None, "gateway process exited"
-            try:
-                async with h.get(url + "/ready") as res:
-                    if res.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-    raise AssertionError("gateway did not become ready")
-
-
 async def test_rate_limit_shared_by_two_gateway_processes(tmp_path: Path) -> None:
     up = Upstream("u")
     served = await start_server(up)
@@ -165,10 +134,10 @@ async def test_rate_limit_shared_by_two_gateway_processes(tmp_path: Path) -> Non
         "ratelimit": {"backend": "redis", "redis_url": "redis://127.0.0.1:6379/0"},
     }
     cfg["tenants"][0]["name"] = ns
-    procs = [_gateway_process(cfg, tmp_path) for _ in range(2)]
+    procs = [gateway_process(cfg, tmp_path) for _ in range(2)]
     try:
         for proc, url in procs:
-            await _ready(url, proc)
+            await wait_ready(url, proc)
         conn = aiohttp.TCPConnector(limit=200)
         t0 = time.monotonic()
         async with aiohttp.ClientSession(connector=conn) as h:

@@ -1,0 +1,627 @@
+"""A lean HTTP/1.1 keep-alive client for the gateway's hot path: asyncio protocols and httptools.
+
+One request at a time per connection, idle connections pooled per origin; probes and scrapes keep aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections import deque
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = [
+    "HIGH_WATER_BYTES",
+    "UpstreamBrokenError",
+    "UpstreamClientError",
+    "UpstreamConnectError",
+    "UpstreamPool",
+    "UpstreamProtocolError",
+    "UpstreamResponse",
+    "UpstreamTooLargeError",
+]
+
+Header = tuple[bytes, bytes]
+
+HIGH_WATER_BYTES = 256 * 1024  # unread body bytes past which the socket stops being read
+_FRAMING = frozenset({b"host", b"content-length", b"connection", b"transfer-encoding"})
+_HEADERS, _BODY, _DONE = 0, 1, 2  # UpstreamResponse._phase
+
+
+class UpstreamClientError(Exception):
+    """Base of this client's errors (timeouts are the built-in TimeoutError).
+
+    UpstreamClientError
+    ├── UpstreamConnectError     nothing of the response arrived: safe to try another replica
+    │   └── UpstreamProtocolError    the bytes before the headers' end were not HTTP
+    └── UpstreamBrokenError      the response started, then the connection or its framing broke
+        └── UpstreamTooLargeError    read_all: the body is larger than the caller's limit
+    """
+
+
+class UpstreamConnectError(UpstreamClientError):
+    """Connect refused or timed out, or the connection ended before the response headers."""
+
+
+class UpstreamProtocolError(UpstreamConnectError):
+    """The upstream sent something that is not an HTTP/1.x status line and headers."""
+
+
+class UpstreamBrokenError(UpstreamClientError):
+    """The body was cut short: connection closed or reset, or malformed framing."""
+
+
+class UpstreamTooLargeError(UpstreamBrokenError):
+    """The body exceeded the limit given to read_all (the connection is closed)."""
+
+
+class _Origin:
+    """scheme://host:port, parsed once, with its idle connections (most recent last)."""
+
+    __slots__ = ("name", "host", "port", "tls", "host_header", "idle")
+
+    def __init__(self, name: str, host: str, port: int, tls: bool, host_header: bytes) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.tls = tls
+        self.host_header = host_header
+        self.idle: deque[_Connection] = deque()
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection; it feeds whatever response currently owns it."""
+
+    __slots__ = ("pool", "origin", "transport", "resp", "closed", "idle", "idle_since", "uses")
+
+    def __init__(self, pool: UpstreamPool, origin: _Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.resp: UpstreamResponse | None = None
+        self.closed = False
+        self.idle = False
+        self.idle_since = 0.0
+        self.uses = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:  # small writes (an SSE chunk, a request) must not wait for an ACK
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+        self.pool._conns.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        resp = self.resp
+        if resp is None:  # bytes nobody asked for: the connection's framing can't be trusted
+            self.close(abort=True)
+            return
+        resp._feed(data)
+
+    def eof_received(self) -> bool:
+        return False  # close; connection_lost tells the response
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._lost(self)
+        resp = self.resp
+        if resp is not None:
+            self.resp = None
+            resp._lost(exc)
+
+    def close(self, abort: bool = False) -> None:
+        self.closed = True
+        t = self.transport
+        if t is not None:
+            t.abort() if abort else t.close()
+
+
+class UpstreamResponse:
+    """Status and headers of one response; the body is read with read_chunk or read_all.
+
+    The connection goes back to the pool by itself once the whole message has arrived with
+    keep-alive, even if the body is still unread here; release() or abort() before that closes it.
+    """
+
+    __slots__ = (
+        "status",
+        "headers",
+        "_loop",
+        "_conn",
+        "_parser",
+        "_head",
+        "_phase",
+        "_error",
+        "_chunks",
+        "_buffered",
+        "_paused",
+        "_waiter",
+        "_keep_alive",
+        "_extra",
+        "_received",
+        "_timer",
+        "_timer_at",
+        "_hdr_deadline",
+        "_deadline",
+        "_idle_s",
+        "_last",
+    )
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: _Connection,
+        head: bool,
+        hdr_deadline: float | None,
+        deadline: float | None,
+        idle_s: float | None,
+    ) -> None:
+        self.status = 0
+        self.headers: list[Header] = []
+        self._loop = loop
+        self._conn: _Connection | None = conn
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+        self._head = head
+        self._phase = _HEADERS
+        self._error: BaseException | None = None
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._keep_alive = False
+        self._extra = False  # bytes after the message: the connection is not reusable
+        self._received = False
+        self._hdr_deadline = hdr_deadline
+        self._deadline = deadline
+        self._idle_s = idle_s
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        if hdr_deadline is not None:
+            self._timer_at = hdr_deadline
+            self._timer = loop.call_at(hdr_deadline, self._on_timer)
+
+    # --- the caller's side ----------------------------------------------------------------------
+    @property
+    def buffered(self) -> int:
+        """Body bytes received and not yet read (what backpressure bounds)."""
+        return self._buffered
+
+    async def read_chunk(self) -> bytes:
+        """The body bytes that arrived since the last read, at least one byte; b"" at the end.
+
+        Raises UpstreamBrokenError if the body was cut short, TimeoutError on the idle or total
+        timeout; bytes that arrived before the failure are returned first.
+        """
+        while True:
+            chunks = self._chunks
+            if chunks:
+                self._chunks = []
+                self._buffered = 0
+                if self._paused:
+                    self._resume()
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if self._error is not None:
+                raise self._error
+            if self._phase == _DONE:
+                return b""
+            self._waiter = w = self._loop.create_future()
+            await w
+
+    async def read_all(self, limit: int) -> bytes:
+        """The whole body; UpstreamTooLargeError (connection closed) past `limit` bytes."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            chunk = await self.read_chunk()
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                self.abort()
+                raise UpstreamTooLargeError(f"upstream body larger than {limit} bytes")
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def release(self) -> None:
+        """Done with this response: a complete keep-alive message is pooled already, else close."""
+        self.abort()
+
+    def abort(self) -> None:
+        """Hang up now unless the message is complete, so the engine aborts the request."""
+        if self._phase != _DONE and self._error is None:
+            self._error = UpstreamBrokenError("response released before its end")
+        self._stop_timer()
+        self._parser = None
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            conn.resp = None
+            conn.close(abort=True)
+        self._wake()
+
+    # --- the connection's side ------------------------------------------------------------------
+    def _feed(self, data: bytes) -> None:
+        self._received = True
+        entering = self._phase == _HEADERS
+        parser = self._parser
+        if parser is not None:
+            try:
+                parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                self._bad_bytes("the upstream switched protocols")
+            except httptools.HttpParserError as exc:
+                self._bad_bytes(str(exc) or type(exc).__name__)
+        phase = self._phase
+        if phase == _DONE:
+            if self._conn is not None:
+                self._finish()
+        elif phase == _BODY and self._conn is not None:
+            if self._idle_s is not None or self._deadline is not None:
+                self._last = self._loop.time()
+                if entering:
+                    self._arm_body()
+            if self._buffered > HIGH_WATER_BYTES and not self._paused:
+                self._paused = True
+                self._conn.transport.pause_reading()  # type: ignore[union-attr]
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def _lost(self, exc: Exception | None) -> None:
+        self._conn = None
+        if self._phase == _HEADERS:
+            why = "reset" if exc is not None else "closed"
+            self._fail(UpstreamConnectError(f"upstream connection {why} before response headers"))
+        elif self._phase == _BODY:
+            if exc is None and not self._framed():  # the body runs to EOF: this is its end
+                self._phase = _DONE
+                self._stop_timer()
+                self._wake()
+            else:
+                why = f"reset ({type(exc).__name__})" if exc is not None else "closed"
+                self._fail(UpstreamBrokenError(f"upstream connection {why} mid-body"))
+
+    def _framed(self) -> bool:
+        return any(k == b"content-length" or k == b"transfer-encoding" for k, _ in self.headers)
+
+    def _bad_bytes(self, reason: str) -> None:
+        if self._phase == _HEADERS:
+            self._fail(UpstreamProtocolError(f"invalid response from upstream: {reason}"))
+        elif self._phase == _BODY:
+            self._fail(UpstreamBrokenError(f"invalid response body from upstream: {reason}"))
+        else:
+            self._extra = True
+
+    def _fail(self, err: BaseException) -> None:
+        if self._error is None:
+            self._error = err
+        self._stop_timer()
+        self._parser = None
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            conn.resp = None
+            conn.close(abort=True)
+        self._wake()
+
+    def _finish(self) -> None:
+        """The whole message is here: the connection goes back to the pool (or is closed)."""
+        self._stop_timer()
+        self._parser = None
+        conn = self._conn
+        assert conn is not None
+        self._conn = None
+        conn.resp = None
+        if self._keep_alive and not self._extra and not conn.closed:
+            conn.pool._put(conn)
+        else:
+            conn.close()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def _resume(self) -> None:
+        self._paused = False
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            self._last = self._loop.time()  # the idle clock restarts when reading does
+            conn.transport.resume_reading()  # type: ignore[union-attr]
+
+    async def _wait_headers(self) -> None:
+        while self._phase == _HEADERS:
+            if self._error is not None:
+                raise self._error
+            self._waiter = w = self._loop.create_future()
+            await w
+
+    # --- timers: one handle per request, re-armed only when it fires early ----------------------
+    def _stop_timer(self) -> None:
+        t = self._timer
+        if t is not None:
+            self._timer = None
+            t.cancel()
+
+    def _arm_body(self) -> None:
+        """The headers are in: the deadline now is the idle or total one, whichever comes first."""
+        at = self._body_deadline()
+        if at is None:
+            self._stop_timer()
+        elif self._timer is None or at < self._timer_at:
+            self._stop_timer()
+            self._timer_at = at
+            self._timer = self._loop.call_at(at, self._on_timer)
+
+    def _body_deadline(self) -> float | None:
+        at = self._deadline
+        if self._idle_s is not None:
+            idle_at = self._last + self._idle_s
+            if at is None or idle_at < at:
+                at = idle_at
+        return at
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._phase == _DONE or self._error is not None:
+            return
+        now = self._loop.time() + 1e-4  # call_at may run a hair early
+        if self._phase == _HEADERS:
+            hd = self._hdr_deadline
+            if hd is not None and now >= hd:
+                self._fail(TimeoutError("no response headers from the upstream in time"))
+                return
+            at = hd
+        else:
+            if self._deadline is not None and now >= self._deadline:
+                self._fail(TimeoutError("the upstream response did not complete in time"))
+                return
+            if self._idle_s is not None:
+                if self._paused or self._chunks:  # the reader is slow, not the upstream
+                    self._last = now
+                elif now >= self._last + self._idle_s:
+                    self._fail(TimeoutError(f"no body bytes from the upstream for {self._idle_s} s"))
+                    return
+            at = self._body_deadline()
+        if at is not None:
+            self._timer_at = at
+            self._timer = self._loop.call_at(at, self._on_timer)
+
+    # --- httptools callbacks --------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self._phase == _DONE:
+            self._extra = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        if self._phase != _HEADERS:
+            return
+        parser = self._parser
+        assert parser is not None
+        status = parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                raise httptools.HttpParserError("unexpected 101 Switching Protocols")
+            self.headers = []  # an interim answer (100 Continue, 103 Early Hints): skip it
+            return
+        self.status = status
+        self._phase = _BODY
+        if self._head:  # no body follows, whatever the headers say
+            self._phase = _DONE
+            self._keep_alive = parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        if self._phase != _BODY:
+            self._extra = True
+            return
+        self._chunks.append(body)
+        self._buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        if self._phase == _BODY:
+            self._phase = _DONE
+            self._keep_alive = self._parser.should_keep_alive()  # type: ignore[union-attr]
+
+
+class UpstreamPool:
+    """Keep-alive connections to every replica, LIFO per origin; one request per connection."""
+
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        max_idle_per_origin: int = 256,
+        idle_ttl_s: float = 30.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._max_idle = max_idle_per_origin
+        self._ttl = idle_ttl_s
+        self._ssl_context = ssl_context  # https origins; the default context when None
+        self._origins: dict[str, _Origin] = {}
+        self._by_key: dict[tuple[str, str, int], _Origin] = {}
+        self._conns: set[_Connection] = set()
+        self._closed = False
+        self._all_lost: asyncio.Future[None] | None = None
+
+    async def request(
+        self,
+        origin: str,
+        method: bytes,
+        path: bytes,
+        headers: Sequence[Header],
+        body: bytes = b"",
+        *,
+        first_byte_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        total_timeout_s: float | None = None,
+    ) -> UpstreamResponse:
+        """Send one request to `origin` ("http://host:port") and return once its headers are in.
+
+        `headers` are lowercase names; host, content-length, connection and transfer-encoding are
+        the client's own and dropped from them. Raises UpstreamConnectError (nothing of the
+        response arrived: retryable), TimeoutError (no headers within first_byte_timeout_s or
+        total_timeout_s), ValueError for a bad origin or a CR/LF in a header.
+        """
+        if self._closed:
+            raise RuntimeError("UpstreamPool is closed")
+        o = self._origins.get(origin) or self._parse_origin(origin)
+        payload = _encode(method, path, o.host_header, headers, body)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadline = None if total_timeout_s is None else now + total_timeout_s
+        hdr_deadline = None if first_byte_timeout_s is None else now + first_byte_timeout_s
+        if deadline is not None and (hdr_deadline is None or deadline < hdr_deadline):
+            hdr_deadline = deadline
+        conn = self._take(o, now)
+        retried = False
+        while True:
+            if conn is None:
+                conn = await self._connect(o, loop, deadline)
+            reused = conn.uses > 0
+            conn.uses += 1
+            resp = UpstreamResponse(
+                loop, conn, method == b"HEAD", hdr_deadline, deadline, idle_timeout_s
+            )
+            conn.resp = resp
+            conn.transport.write(payload)  # type: ignore[union-attr]
+            try:
+                await resp._wait_headers()
+            except UpstreamConnectError as exc:
+                resp.abort()
+                # a kept-alive connection the server closed meanwhile: once, on a fresh one
+                if reused and not retried and not resp._received and type(exc) is UpstreamConnectError:
+                    retried, conn = True, None
+                    continue
+                raise
+            except BaseException:  # timeout, or cancelled: hang up so the engine aborts
+                resp.abort()
+                raise
+            return resp
+
+    async def aclose(self) -> None:
+        """Close every connection, idle or busy (busy responses fail), and wait until they are."""
+        self._closed = True
+        for o in self._by_key.values():
+            o.idle.clear()
+        if not self._conns:
+            return
+        self._all_lost = asyncio.get_running_loop().create_future()
+        for c in list(self._conns):
+            c.close(abort=True)
+        await self._all_lost
+
+    # --- connections ----------------------------------------------------------------------------
+    def _parse_origin(self, origin: str) -> _Origin:
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"upstream origin {origin!r} is not an http(s) URL")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"upstream origin {origin!r} has a path, query or fragment")
+        tls = parts.scheme == "https"
+        port = parts.port or (443 if tls else 80)
+        key = (parts.scheme, parts.hostname, port)
+        o = self._by_key.get(key)
+        if o is None:
+            netloc = parts.netloc.rpartition("@")[2]
+            o = _Origin(origin, parts.hostname, port, tls, netloc.encode("idna"))
+            self._by_key[key] = o
+        self._origins[origin] = o
+        return o
+
+    async def _connect(
+        self, o: _Origin, loop: asyncio.AbstractEventLoop, deadline: float | None
+    ) -> _Connection:
+        timeout = self._connect_timeout_s
+        if deadline is not None:
+            timeout = min(timeout, max(0.0, deadline - loop.time()))
+        conn = _Connection(self, o)
+        tls: ssl.SSLContext | None = None
+        if o.tls:
+            if self._ssl_context is None:
+                self._ssl_context = ssl.create_default_context()
+            tls = self._ssl_context
+        try:
+            async with asyncio.timeout(timeout):
+                await loop.create_connection(lambda: conn, o.host, o.port, ssl=tls)
+        except TimeoutError:
+            raise UpstreamConnectError(
+                f"connect to {o.name} timed out after {timeout:.3g} s"
+            ) from None
+        except OSError as exc:
+            raise UpstreamConnectError(f"cannot connect to {o.name}: {exc}") from exc
+        if self._closed:
+            conn.close(abort=True)
+            raise RuntimeError("UpstreamPool is closed")
+        return conn
+
+    def _take(self, o: _Origin, now: float) -> _Connection | None:
+        idle = o.idle
+        while idle:
+            conn = idle.pop()
+            conn.idle = False
+            if conn.closed:
+                continue
+            if now - conn.idle_since > self._ttl:  # the most recent is stale: all of them are
+                conn.close()
+                while idle:
+                    old = idle.pop()
+                    old.idle = False
+                    old.close()
+                return None
+            return conn
+        return None
+
+    def _put(self, conn: _Connection) -> None:
+        if self._closed or self._max_idle <= 0:
+            conn.close()
+            return
+        idle = conn.origin.idle
+        now = asyncio.get_running_loop().time()
+        while idle and (len(idle) >= self._max_idle or now - idle[0].idle_since > self._ttl):
+            old = idle.popleft()
+            old.idle = False
+            old.close()
+        conn.idle = True
+        conn.idle_since = now
+        idle.append(conn)
+
+    def _lost(self, conn: _Connection) -> None:
+        self._conns.discard(conn)
+        if conn.idle:
+            conn.idle = False
+            try:
+                conn.origin.idle.remove(conn)
+            except ValueError:
+                pass
+        if not self._conns and self._all_lost is not None and not self._all_lost.done():
+            self._all_lost.set_result(None)
+
+
+def _encode(
+    method: bytes, path: bytes, host: bytes, headers: Sequence[Header], body: bytes
+) -> bytes:
+    """Request line, headers and body as one buffer: one write, one segment for small requests."""
+    parts = [method, b" ", path, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
+    for name, value in headers:
+        if name in _FRAMING:
+            continue
+        if b"\n" in value or b"\r" in value or b"\n" in name or b"\r" in name:
+            raise ValueError(f"CR or LF in upstream request header {name!r}")
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"content-length: %d\r\nconnection: keep-alive\r\n\r\n" % len(body))
+    parts.append(body)
+    return b"".join(parts)
