@@ -30,6 +30,7 @@ from starlette.routing import Route
 from .config import Config
 from .endpoint import ProxyEndpoint, Receive, Scope, Send
 from .errors import GatewayError, MethodNotAllowed, NotFound, Unauthorized, error_payload
+from .openapi import openapi_document
 from .pipeline import Pipeline
 from .reload import ConfigReloader
 from .runtime import Gateway
@@ -152,6 +153,7 @@ def create_app(
     reloader = ConfigReloader(gateway, config_path) if config_path else None
     models = _ModelList(gateway)
     page = (importlib.resources.files("gateway") / "static" / "dashboard.html").read_bytes()
+    openapi = orjson.dumps(openapi_document())
 
     async def health(request: Request) -> Response:
         return _json({"status": "ok"})
@@ -190,6 +192,9 @@ def create_app(
         ok = await reloader.reload("admin request")
         return _json({"applied": ok, "version": reloader.version()}, 200 if ok else 422)
 
+    async def openapi_json(request: Request) -> Response:
+        return Response(openapi, media_type="application/json")
+
     async def dashboard(request: Request) -> Response:
         return Response(page, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
 
@@ -226,6 +231,7 @@ def create_app(
             Route("/admin/config", admin_only(gateway, active_config), methods=["GET"]),
             Route("/admin/reload", admin_only(gateway, reload_now), methods=["POST"]),
             Route("/dashboard", dashboard, methods=["GET"]),
+            Route("/openapi.json", openapi_json, methods=["GET"]),
             Route("/v1/chat/completions", health, methods=["POST"]),  # served by GatewayApp
             Route("/v1/completions", health, methods=["POST"]),
         ],

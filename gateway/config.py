@@ -25,10 +25,12 @@ from pydantic import (
     model_validator,
 )
 
+from .discovery import DiscoveryConfig
 from .ratelimit import RateLimitConfig
 from .tenants import AuthMode, PriorityClassConfig, TenantConfig, check_tenants, default_classes
 from .tracing import TracingConfig
 
+_RELATIVE = re.compile(r"^[a-z_][a-z0-9_]*(\[\d+\])?(\.[a-z_][a-z0-9_]*(\[\d+\])?)*: ")
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -105,7 +107,8 @@ class ReplicaConfig(_Strict):
 
 
 class PoolConfig(_Strict):
-    replicas: tuple[ReplicaConfig, ...] = Field(min_length=1)
+    replicas: tuple[ReplicaConfig, ...] = ()
+    discovery: DiscoveryConfig | None = None  # instead of `replicas`: dns or kubernetes
     policy: str | dict[str, Any] = "prefix_aware"
     max_inflight_per_replica: int = Field(64, ge=1)
     health: HealthConfig = HealthConfig()
@@ -132,6 +135,16 @@ class PoolConfig(_Strict):
         except PolicyConfigError as exc:
             raise ValueError(str(exc)) from None
         return v
+
+    @model_validator(mode="after")
+    def _replicas_or_discovery(self) -> PoolConfig:
+        if self.discovery is None and not self.replicas:
+            raise ValueError(
+                "replicas: required (a list of replica URLs), unless `discovery` is set"
+            )
+        if self.discovery is not None and self.replicas:
+            raise ValueError("replicas: set either `replicas` or `discovery`, not both")
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> PoolConfig:
@@ -276,7 +289,13 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
             out += f"[{part}]"
         elif part in ("function-after", "function-before", "function-wrap"):
             continue
-        elif part.startswith(("function-", "tagged-union")) or part in ("str", "dict[str,any]"):
+        elif part.startswith(("function-", "tagged-union")) or part in (
+            "str",
+            "dict[str,any]",
+            "static",
+            "dns",
+            "kubernetes",
+        ):
             continue
         else:
             out += f".{part}" if out else part
@@ -307,8 +326,15 @@ def parse_config(data: Any) -> Config:
         for err in exc.errors():
             loc = _format_loc(tuple(err["loc"]))
             msg = _message(err)
-            # model-level validators already put their own path at the front of the message
-            problems.append(f"{loc}: {msg}" if loc else msg)
+            # a model-level validator names the path below its model: join the two paths
+            if loc and _RELATIVE.match(msg):
+                parent, _, last = loc.rpartition(".")
+                if msg.startswith((last + ".", last + ":", last + "[")):  # the path repeats our key
+                    problems.append(f"{parent}.{msg}" if parent else msg)
+                else:
+                    problems.append(f"{loc}.{msg}")
+            else:
+                problems.append(f"{loc}: {msg}" if loc else msg)
         raise ConfigError(problems) from None
 
 

@@ -22,7 +22,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
@@ -53,7 +53,7 @@ class DiscoveryError(Exception):
 
 
 class Discovery(Protocol):
-    def watch(self) -> AsyncIterator[list[Endpoint]]:
+    def watch(self) -> AsyncGenerator[list[Endpoint], None]:
         """Yield the full current set, sorted by name, once known and then after each change.
 
         Runs until the consumer stops iterating (close it with `contextlib.aclosing`). A failed
@@ -82,7 +82,7 @@ class StaticDiscovery:
     def __init__(self, endpoints: Iterable[Endpoint]) -> None:
         self.endpoints = _settled(endpoints)
 
-    async def watch(self) -> AsyncIterator[list[Endpoint]]:
+    async def watch(self) -> AsyncGenerator[list[Endpoint], None]:
         yield list(self.endpoints)
         await asyncio.Event().wait()  # a fixed list never changes; wait to be closed
 
@@ -116,7 +116,7 @@ class DnsDiscovery:
         self.timeout_s = timeout_s
         self.resolver: Resolver = resolver or getaddrinfo_resolver
 
-    async def watch(self) -> AsyncIterator[list[Endpoint]]:
+    async def watch(self) -> AsyncGenerator[list[Endpoint], None]:
         last: list[Endpoint] | None = None
         failing = False
         while True:
@@ -155,7 +155,7 @@ class _ApiError(Exception):
 _RETRIED = (aiohttp.ClientError, TimeoutError, _ApiError, ValueError, LookupError)
 
 
-async def _json_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+async def _json_lines(resp: aiohttp.ClientResponse) -> AsyncGenerator[dict[str, Any], None]:
     """The watch stream's events: one JSON object a line, lines split across chunks at will."""
     buf = b""
     async for chunk in resp.content.iter_any():
@@ -259,7 +259,7 @@ class KubernetesDiscovery:
             context,
         )
 
-    async def watch(self) -> AsyncIterator[list[Endpoint]]:
+    async def watch(self) -> AsyncGenerator[list[Endpoint], None]:
         api = await asyncio.to_thread(self._access)
         slices: dict[str, list[Endpoint]] = {}
         last: list[Endpoint] | None = None

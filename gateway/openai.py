@@ -16,7 +16,9 @@ from .errors import BadRequest
 Kind = Literal["chat", "completions"]
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-_MAX_TOKENS_CAP = 10_000_000
+MAX_TOKENS_CAP = 10_000_000
+MAX_TOKEN_ID = 2**31 - 1  # token ids are hashed as 32-bit integers; no vocabulary comes close
+MAX_DEPTH = 64  # nesting of arrays and objects; the gateway re-encodes bodies (orjson stops at 255)
 _NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 
 
@@ -77,21 +79,41 @@ def _check_messages(messages: Any) -> None:
                     )
 
 
+def _is_token(v: Any) -> bool:
+    return _is_int(v) and 0 <= v <= MAX_TOKEN_ID
+
+
 def _check_prompt(prompt: Any) -> None:
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return
-        if all(_is_int(p) and p >= 0 for p in prompt):
+        if all(_is_token(p) for p in prompt):
             return
-        if all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
             return
     raise _bad(
         "'prompt' must be a string, an array of strings, an array of token ids, "
-        "or an array of token-id arrays (non-empty)",
+        f"or an array of token-id arrays (non-empty; token ids in [0, {MAX_TOKEN_ID}])",
         "prompt",
     )
+
+
+def _too_deep(raw: bytes, body: Any) -> bool:
+    """True when arrays and objects nest deeper than MAX_DEPTH (the body itself is level 1)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:  # too few brackets to nest that deep
+        return False
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > MAX_DEPTH:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _optional_int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
@@ -113,6 +135,8 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
         raise _bad(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object", code="invalid_json")
+    if _too_deep(raw, body):
+        raise _bad(f"The request body nests arrays and objects deeper than {MAX_DEPTH} levels")
 
     model = body.get("model")
     if model is None:
@@ -146,8 +170,8 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
             )
         include_usage = iu
 
-    max_tokens = _optional_int(body, "max_tokens", 1, _MAX_TOKENS_CAP)
-    mct = _optional_int(body, "max_completion_tokens", 1, _MAX_TOKENS_CAP)
+    max_tokens = _optional_int(body, "max_tokens", 1, MAX_TOKENS_CAP)
+    mct = _optional_int(body, "max_completion_tokens", 1, MAX_TOKENS_CAP)
     if mct is not None:
         max_tokens = mct
     _optional_int(body, "n", 1, 128)

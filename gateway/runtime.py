@@ -9,6 +9,7 @@ swap pools atomically, keeping the state of replicas that stay and draining thos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from prefix_index.chunking import Chunker, make_chunker
 
 from .admission import Admission, shed_all
 from .config import Config, PoolConfig, ReplicaConfig
+from .discovery import DiscoveryConfig, DiscoveryError
 from .proxy import make_session
 from .ratelimit import RateLimiter, open_rate_limiter
 from .replicas import ReplicaMonitor, ReplicaState
@@ -79,6 +81,7 @@ class Gateway:
         self.index: PrefixIndex | None = None
         self._session: aiohttp.ClientSession | None = None
         self._monitors: dict[int, ReplicaMonitor] = {}  # id(ReplicaState) -> its monitor
+        self._discovery: dict[str, tuple[Any, asyncio.Task[None]]] = {}  # pool -> (config, watcher)
         self._retiring: set[asyncio.Task[None]] = set()
 
     # --- building ------------------------------------------------------------------------------
@@ -86,7 +89,11 @@ class Gateway:
         pools: dict[str, Pool] = {}
         for i, (name, pc) in enumerate(config.pools.items()):
             prev = old.get(name)
-            replicas = self._replicas(name, pc, pc.replicas, prev)
+            if pc.discovery is not None:  # keep what discovery found until it answers again
+                same = prev is not None and prev.config.discovery == pc.discovery
+                replicas = self._replicas(name, pc, self._configs_of(prev) if same else (), prev)
+            else:
+                replicas = self._replicas(name, pc, pc.replicas, prev)
             policy = (
                 prev.policy
                 if prev is not None and prev.config.policy == pc.policy
@@ -111,6 +118,10 @@ class Gateway:
             out.append(r)
         return out
 
+    @staticmethod
+    def _configs_of(pool: Pool | None) -> list[ReplicaConfig]:
+        return [ReplicaConfig(url=r.url, name=r.name) for r in pool.replicas] if pool else []
+
     def all_replicas(self) -> list[ReplicaState]:
         return [r for p in self.pools.values() for r in p.replicas]
 
@@ -128,6 +139,29 @@ class Gateway:
             )
         self._session = make_session(max(p.config.timeouts.connect_s for p in self.pools.values()))
         self._sync_monitors()
+        self._sync_discovery()
+
+    def _sync_discovery(self) -> None:
+        """One watcher per pool that uses discovery; restarted when its settings change."""
+        for name in list(self._discovery):
+            cfg, task = self._discovery[name]
+            pool = self.pools.get(name)
+            if pool is None or pool.config.discovery != cfg:
+                task.cancel()
+                del self._discovery[name]
+        for name, pool in self.pools.items():
+            cfg = pool.config.discovery
+            if cfg is not None and name not in self._discovery:
+                task = asyncio.create_task(self._watch(name, cfg), name=f"discovery:{name}")
+                self._discovery[name] = (cfg, task)
+
+    async def _watch(self, pool: str, cfg: DiscoveryConfig) -> None:
+        try:
+            async with contextlib.aclosing(cfg.build().watch()) as found:
+                async for endpoints in found:
+                    self.set_endpoints(pool, [(e.name, e.url) for e in endpoints])
+        except DiscoveryError as exc:
+            log.error("pool %s: discovery cannot run: %s", pool, exc)
 
     @staticmethod
     def _open_index(config: Config) -> PrefixIndex:
@@ -137,6 +171,10 @@ class Gateway:
         )
 
     async def stop(self) -> None:
+        for _, task in self._discovery.values():
+            task.cancel()
+        await asyncio.gather(*(t for _, t in self._discovery.values()), return_exceptions=True)
+        self._discovery.clear()
         for m in self._monitors.values():
             await m.stop()
         self._monitors.clear()
@@ -223,6 +261,7 @@ class Gateway:
         self.index, self.limiter, self.admission = index, limiter, admission
         self._retire(gone, max((p.config.timeouts.total_s for p in pools.values()), default=60.0))
         self._sync_monitors()
+        self._sync_discovery()
         if old_admission is not admission:
             shed = shed_all(old_admission)
             if shed:

@@ -1,6 +1,6 @@
 """A lean HTTP/1.1 keep-alive client for the gateway's hot path: asyncio protocols and httptools.
 
-One request at a time per connection, idle connections pooled per origin; probes and scrapes keep aiohttp.
+One request per connection at a time, idle ones pooled per origin; probes and scrapes keep aiohttp.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import httptools
 
 __all__ = [
     "HIGH_WATER_BYTES",
+    "MAX_HEAD_BYTES",
     "UpstreamBrokenError",
     "UpstreamClientError",
     "UpstreamConnectError",
@@ -28,6 +29,8 @@ __all__ = [
 Header = tuple[bytes, bytes]
 
 HIGH_WATER_BYTES = 256 * 1024  # unread body bytes past which the socket stops being read
+MAX_HEAD_BYTES = 1024 * 1024  # status line and headers (interim answers included) at most
+TIMER_SLOT_S = 0.05  # timeouts are checked on this grid: they fire up to this much late
 _FRAMING = frozenset({b"host", b"content-length", b"connection", b"transfer-encoding"})
 _HEADERS, _BODY, _DONE = 0, 1, 2  # UpstreamResponse._phase
 
@@ -106,6 +109,7 @@ class _Connection(asyncio.Protocol):
         resp._feed(data)
 
     def eof_received(self) -> bool:
+        self.closed = True  # not to be taken from the pool in the turn before connection_lost
         return False  # close; connection_lost tells the response
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -121,6 +125,49 @@ class _Connection(asyncio.Protocol):
         t = self.transport
         if t is not None:
             t.abort() if abort else t.close()
+
+
+class _Timers:
+    """Deadlines rounded up to TIMER_SLOT_S: one loop timer per slot, shared by every response in it.
+
+    A loop timer per request costs 2-4 us to make and cancel; a slot costs a set add and discard.
+    Timeouts fire up to one slot late.
+    """
+
+    __slots__ = ("loop", "slots")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.slots: dict[int, tuple[asyncio.TimerHandle, set[UpstreamResponse]]] = {}
+
+    def add(self, resp: UpstreamResponse, at: float) -> int:
+        key = int(at / TIMER_SLOT_S) + 1
+        slot = self.slots.get(key)
+        if slot is None:
+            handle = self.loop.call_at(key * TIMER_SLOT_S, self._fire, key)
+            slot = self.slots[key] = (handle, set())
+        slot[1].add(resp)
+        return key
+
+    def remove(self, resp: UpstreamResponse, key: int) -> None:
+        slot = self.slots.get(key)
+        if slot is not None:
+            slot[1].discard(resp)
+
+    @staticmethod
+    def end_of(key: int) -> float:
+        return key * TIMER_SLOT_S
+
+    def _fire(self, key: int) -> None:
+        slot = self.slots.pop(key, None)
+        if slot is not None:
+            for resp in slot[1]:
+                resp._on_timer()
+
+    def close(self) -> None:
+        for handle, _ in self.slots.values():
+            handle.cancel()
+        self.slots.clear()
 
 
 class UpstreamResponse:
@@ -146,8 +193,9 @@ class UpstreamResponse:
         "_keep_alive",
         "_extra",
         "_received",
-        "_timer",
-        "_timer_at",
+        "_head_bytes",
+        "_timers",
+        "_slot",
         "_hdr_deadline",
         "_deadline",
         "_idle_s",
@@ -157,6 +205,7 @@ class UpstreamResponse:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
+        timers: _Timers,
         conn: _Connection,
         head: bool,
         hdr_deadline: float | None,
@@ -178,15 +227,15 @@ class UpstreamResponse:
         self._keep_alive = False
         self._extra = False  # bytes after the message: the connection is not reusable
         self._received = False
+        self._head_bytes = 0
         self._hdr_deadline = hdr_deadline
         self._deadline = deadline
         self._idle_s = idle_s
         self._last = 0.0
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
+        self._timers = timers
+        self._slot = 0  # the timer slot this response waits in; 0: none
         if hdr_deadline is not None:
-            self._timer_at = hdr_deadline
-            self._timer = loop.call_at(hdr_deadline, self._on_timer)
+            self._slot = timers.add(self, hdr_deadline)
 
     # --- the caller's side ----------------------------------------------------------------------
     @property
@@ -217,6 +266,9 @@ class UpstreamResponse:
 
     async def read_all(self, limit: int) -> bytes:
         """The whole body; UpstreamTooLargeError (connection closed) past `limit` bytes."""
+        if self._phase == _DONE and self._error is None and self._buffered <= limit:
+            chunks, self._chunks, self._buffered = self._chunks, [], 0  # all here already
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         parts: list[bytes] = []
         size = 0
         while True:
@@ -251,6 +303,8 @@ class UpstreamResponse:
     def _feed(self, data: bytes) -> None:
         self._received = True
         entering = self._phase == _HEADERS
+        if entering:
+            self._head_bytes += len(data)
         parser = self._parser
         if parser is not None:
             try:
@@ -263,11 +317,15 @@ class UpstreamResponse:
         if phase == _DONE:
             if self._conn is not None:
                 self._finish()
+        elif phase == _HEADERS and self._head_bytes > MAX_HEAD_BYTES and self._error is None:
+            self._bad_bytes(f"response headers larger than {MAX_HEAD_BYTES} bytes")
         elif phase == _BODY and self._conn is not None:
             if self._idle_s is not None or self._deadline is not None:
                 self._last = self._loop.time()
                 if entering:
                     self._arm_body()
+            elif entering:
+                self._stop_timer()
             if self._buffered > HIGH_WATER_BYTES and not self._paused:
                 self._paused = True
                 self._conn.transport.pause_reading()  # type: ignore[union-attr]
@@ -285,6 +343,7 @@ class UpstreamResponse:
         elif self._phase == _BODY:
             if exc is None and not self._framed():  # the body runs to EOF: this is its end
                 self._phase = _DONE
+                self._parser = None
                 self._stop_timer()
                 self._wake()
             else:
@@ -348,22 +407,20 @@ class UpstreamResponse:
             self._waiter = w = self._loop.create_future()
             await w
 
-    # --- timers: one handle per request, re-armed only when it fires early ----------------------
+    # --- timers: a slot of the pool's wheel, moved only when the headers arrive or it fires ------
     def _stop_timer(self) -> None:
-        t = self._timer
-        if t is not None:
-            self._timer = None
-            t.cancel()
+        if self._slot:
+            self._timers.remove(self, self._slot)
+            self._slot = 0
 
     def _arm_body(self) -> None:
         """The headers are in: the deadline now is the idle or total one, whichever comes first."""
         at = self._body_deadline()
         if at is None:
             self._stop_timer()
-        elif self._timer is None or at < self._timer_at:
+        elif not self._slot or at < self._timers.end_of(self._slot):
             self._stop_timer()
-            self._timer_at = at
-            self._timer = self._loop.call_at(at, self._on_timer)
+            self._slot = self._timers.add(self, at)
 
     def _body_deadline(self) -> float | None:
         at = self._deadline
@@ -374,10 +431,10 @@ class UpstreamResponse:
         return at
 
     def _on_timer(self) -> None:
-        self._timer = None
+        self._slot = 0
         if self._phase == _DONE or self._error is not None:
             return
-        now = self._loop.time() + 1e-4  # call_at may run a hair early
+        now = self._loop.time() + 1e-3  # loop timers may fire up to a millisecond early
         if self._phase == _HEADERS:
             hd = self._hdr_deadline
             if hd is not None and now >= hd:
@@ -392,12 +449,11 @@ class UpstreamResponse:
                 if self._paused or self._chunks:  # the reader is slow, not the upstream
                     self._last = now
                 elif now >= self._last + self._idle_s:
-                    self._fail(TimeoutError(f"no body bytes from the upstream for {self._idle_s} s"))
+                    self._fail(TimeoutError(f"no body bytes from upstream for {self._idle_s} s"))
                     return
             at = self._body_deadline()
         if at is not None:
-            self._timer_at = at
-            self._timer = self._loop.call_at(at, self._on_timer)
+            self._slot = self._timers.add(self, at)
 
     # --- httptools callbacks --------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -405,7 +461,8 @@ class UpstreamResponse:
             self._extra = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        if self._phase == _HEADERS:  # not the trailers of a chunked body
+            self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         if self._phase != _HEADERS:
@@ -456,6 +513,7 @@ class UpstreamPool:
         self._conns: set[_Connection] = set()
         self._closed = False
         self._all_lost: asyncio.Future[None] | None = None
+        self._timers: _Timers | None = None
 
     async def request(
         self,
@@ -481,6 +539,9 @@ class UpstreamPool:
         o = self._origins.get(origin) or self._parse_origin(origin)
         payload = _encode(method, path, o.host_header, headers, body)
         loop = asyncio.get_running_loop()
+        timers = self._timers
+        if timers is None or timers.loop is not loop:
+            timers = self._timers = _Timers(loop)
         now = loop.time()
         deadline = None if total_timeout_s is None else now + total_timeout_s
         hdr_deadline = None if first_byte_timeout_s is None else now + first_byte_timeout_s
@@ -494,7 +555,7 @@ class UpstreamPool:
             reused = conn.uses > 0
             conn.uses += 1
             resp = UpstreamResponse(
-                loop, conn, method == b"HEAD", hdr_deadline, deadline, idle_timeout_s
+                loop, timers, conn, method == b"HEAD", hdr_deadline, deadline, idle_timeout_s
             )
             conn.resp = resp
             conn.transport.write(payload)  # type: ignore[union-attr]
@@ -503,7 +564,8 @@ class UpstreamPool:
             except UpstreamConnectError as exc:
                 resp.abort()
                 # a kept-alive connection the server closed meanwhile: once, on a fresh one
-                if reused and not retried and not resp._received and type(exc) is UpstreamConnectError:
+                stale = reused and not resp._received and type(exc) is UpstreamConnectError
+                if stale and not retried:
                     retried, conn = True, None
                     continue
                 raise
@@ -518,11 +580,15 @@ class UpstreamPool:
         for o in self._by_key.values():
             o.idle.clear()
         if not self._conns:
+            if self._timers is not None:
+                self._timers.close()
             return
         self._all_lost = asyncio.get_running_loop().create_future()
         for c in list(self._conns):
             c.close(abort=True)
         await self._all_lost
+        if self._timers is not None:
+            self._timers.close()
 
     # --- connections ----------------------------------------------------------------------------
     def _parse_origin(self, origin: str) -> _Origin:
@@ -616,12 +682,14 @@ def _encode(
 ) -> bytes:
     """Request line, headers and body as one buffer: one write, one segment for small requests."""
     parts = [method, b" ", path, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
+    lines = 5  # request line, host, content-length, connection, the empty line
     for name, value in headers:
-        if name in _FRAMING:
-            continue
-        if b"\n" in value or b"\r" in value or b"\n" in name or b"\r" in name:
-            raise ValueError(f"CR or LF in upstream request header {name!r}")
-        parts += (name, b": ", value, b"\r\n")
+        if name not in _FRAMING:
+            parts += (name, b": ", value, b"\r\n")
+            lines += 1
     parts.append(b"content-length: %d\r\nconnection: keep-alive\r\n\r\n" % len(body))
-    parts.append(body)
-    return b"".join(parts)
+    head = b"".join(parts)
+    # one count per character beats checking every value (`b"\n" in v` is slow on bytes)
+    if head.count(b"\n") != lines or head.count(b"\r") != lines:
+        raise ValueError("CR or LF inside the upstream request line or a header")
+    return head + body

@@ -30,6 +30,28 @@ class PrefixIndex(Protocol):
     async def aclose(self) -> None: ...
 
 
+@runtime_checkable
+class EngineEventSink(Protocol):
+    """Where engine-reported blocks go (precise mode; the memory backend implements it).
+
+    `record_engine` / `evict_engine` take blocks the engine reported stored / evicted, in the
+    gateway's own hashes. They are kept apart from what `record` learned from routing
+    decisions: no TTL and no LRU (the engine evicts by itself; a large safety cap only), and
+    `match` answers, per replica, the longer of the two runs. `record_engine`'s hashes need
+    not start at block 0 (an event continues a chain). `set_precise(replica)` turns the
+    replica's routed entries into short-lived guesses (`routed_ttl_s`) that bridge the time
+    until the engine's own report arrives. `forget` clears both kinds.
+    """
+
+    async def record_engine(self, scope: str, replica: str, hashes: Sequence[int]) -> None: ...
+
+    async def evict_engine(self, scope: str, replica: str, hashes: Sequence[int]) -> None: ...
+
+    async def forget(self, replica: str) -> None: ...
+
+    def set_precise(self, replica: str, precise: bool = True) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class IndexStats:
     """A snapshot for metrics: what the index holds and what it costs.
@@ -37,7 +59,9 @@ class IndexStats:
     `blocks_per_replica` counts (scope, block) entries per replica; `distinct_blocks` is None
     where counting it would cost a scan (redis). `bytes_estimate` is the index's own memory
     (memory backend) or the Redis memory its entries take (redis backend, from the measured
-    bytes per entry). `healthy` is False while the backend is unreachable.
+    bytes per entry). `healthy` is False while the backend is unreachable. The `engine_*`
+    fields count engine-reported entries (precise mode, memory backend): per replica, in all,
+    and how many the safety cap pushed out.
     """
 
     backend: str
@@ -48,3 +72,6 @@ class IndexStats:
     healthy: bool = True
     pending_writes: int = 0
     dropped_writes: int = 0
+    engine_blocks_per_replica: dict[str, int] = field(default_factory=dict)
+    engine_entries: int = 0
+    engine_trimmed: int = 0

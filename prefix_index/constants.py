@@ -15,6 +15,9 @@ DEFAULT_BLOCK_SIZE = 16  # tokens mode: vLLM's default block size
 DEFAULT_REDIS_TTL_S = 600.0
 DEFAULT_NAMESPACE = "kvgw"
 DEFAULT_LOCAL_CACHE_S = 0.05
+DEFAULT_ROUTED_TTL_S = 10.0  # precise mode: a routing decision bridges until the engine reports
+DEFAULT_ENGINE_CAPACITY_BLOCKS = 1_000_000  # precise mode: engine-reported blocks per replica
+#                                             and scope (a safety cap; the engine evicts itself)
 
 # Redis key layout. `{...}` is the Redis Cluster hash tag: every key of one scope shares it, so
 # one Lua call (match, record, evict, forget) only ever touches one slot.

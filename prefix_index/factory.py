@@ -8,16 +8,24 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prefix_index.base import PrefixIndex
-from prefix_index.constants import DEFAULT_CAPACITY_BLOCKS, DEFAULT_REDIS_TTL_S
+from prefix_index.constants import (
+    DEFAULT_CAPACITY_BLOCKS,
+    DEFAULT_REDIS_TTL_S,
+    DEFAULT_ROUTED_TTL_S,
+)
 from prefix_index.memory import MemoryIndex
 from prefix_index.redis import RedisIndex
 
 
-def _memory(redis_url: str | None, capacity_blocks: int, ttl_s: float | None) -> PrefixIndex:
-    return MemoryIndex(capacity_blocks, ttl_s)
+def _memory(
+    redis_url: str | None, capacity_blocks: int, ttl_s: float | None, routed_ttl_s: float
+) -> PrefixIndex:
+    return MemoryIndex(capacity_blocks, ttl_s, routed_ttl_s=routed_ttl_s)
 
 
-def _redis(redis_url: str | None, capacity_blocks: int, ttl_s: float | None) -> PrefixIndex:
+def _redis(
+    redis_url: str | None, capacity_blocks: int, ttl_s: float | None, routed_ttl_s: float
+) -> PrefixIndex:
     if not redis_url:
         raise ValueError("index.redis_url is required when index.backend is redis")
     return RedisIndex(
@@ -27,7 +35,7 @@ def _redis(redis_url: str | None, capacity_blocks: int, ttl_s: float | None) -> 
     )
 
 
-BACKENDS: dict[str, Callable[[str | None, int, float | None], PrefixIndex]] = {
+BACKENDS: dict[str, Callable[[str | None, int, float | None, float], PrefixIndex]] = {
     "memory": _memory,
     "redis": _redis,
 }
@@ -39,12 +47,15 @@ def open_index(
     redis_url: str | None = None,
     capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
     ttl_s: float | None = None,
+    routed_ttl_s: float = DEFAULT_ROUTED_TTL_S,
 ) -> PrefixIndex:
     """The index for `index.backend` (memory | redis). For redis, `ttl_s=None` means the
-    default 600 s: shared entries must age out when a gateway or replica vanishes."""
+    default 600 s: shared entries must age out when a gateway or replica vanishes.
+    `routed_ttl_s` is the life of a routed entry on a replica in precise mode (KV events);
+    only the memory backend has that mode (it alone is an EngineEventSink)."""
     make = BACKENDS.get(backend)
     if make is None:
         raise ValueError(
             f"index.backend must be one of {', '.join(sorted(BACKENDS))}, got {backend!r}"
         )
-    return make(redis_url, capacity_blocks, ttl_s)
+    return make(redis_url, capacity_blocks, ttl_s, routed_ttl_s)

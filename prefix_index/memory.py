@@ -1,17 +1,25 @@
 """The embedded prefix index: block hash -> bit set of replicas, with per-replica LRU and TTL.
 
-No I/O; the async methods never await, they only meet the PrefixIndex contract.
+Also the engine-reported blocks of precise mode, kept apart. No I/O; the async methods never
+await, they only meet the PrefixIndex and EngineEventSink contracts.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import accumulate, repeat, takewhile
+from operator import and_
 
 from prefix_index.base import IndexStats
-from prefix_index.constants import DEFAULT_CAPACITY_BLOCKS
+from prefix_index.constants import (
+    DEFAULT_CAPACITY_BLOCKS,
+    DEFAULT_ENGINE_CAPACITY_BLOCKS,
+    DEFAULT_ROUTED_TTL_S,
+)
 
 _NEVER = 0  # expiry value of an entry without TTL
 _INT_BYTES = 36  # a 64-bit hash as a Python int
@@ -20,7 +28,7 @@ _INT_BYTES = 36  # a 64-bit hash as a Python int
 class _Scope:
     """One scope's blocks: who holds each block, and each replica's blocks in LRU order."""
 
-    __slots__ = ("table", "lru", "holes", "next_expiry")
+    __slots__ = ("table", "lru", "holes", "next_expiry", "etable", "eheld")
 
     def __init__(self) -> None:
         self.table: dict[int, int] = {}  # block hash -> bit set of replica slots
@@ -32,6 +40,14 @@ class _Scope:
         # replica still holds; match stops at such a hole while it could matter (see match).
         self.holes: dict[str, dict[int, int]] = {}
         self.next_expiry = sys.maxsize  # earliest expiry at the head of any LRU (a hint)
+        # What the engines reported (precise mode), apart from the routed guesses above: block
+        # hash -> bit set, and each replica's blocks in arrival order (for forget and the cap).
+        # Not prefix-closed (an engine may evict a block below ones it keeps), so match scans.
+        self.etable: dict[int, int] = {}
+        self.eheld: dict[str, OrderedDict[int, None]] = {}
+
+    def empty(self) -> bool:
+        return not self.table and not self.etable
 
 
 class MemoryIndex:
@@ -40,6 +56,10 @@ class MemoryIndex:
     `capacity_blocks` bounds what one replica holds in one scope; `ttl_s` (None: no TTL) ages
     out blocks not recorded again; `clock` returns seconds (tests pass a fake one). Expiry is
     kept in whole milliseconds, like the Redis backend, so both answer alike.
+
+    Precise mode (EngineEventSink): for a replica marked with `set_precise`, routed entries
+    live `routed_ttl_s` (or `ttl_s` if shorter); engine-reported entries have no TTL and are
+    capped at `engine_capacity_blocks` per replica and scope, oldest first.
     """
 
     def __init__(
@@ -47,11 +67,24 @@ class MemoryIndex:
         capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
         ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        routed_ttl_s: float = DEFAULT_ROUTED_TTL_S,
+        engine_capacity_blocks: int = DEFAULT_ENGINE_CAPACITY_BLOCKS,
     ) -> None:
         if capacity_blocks < 0:
             raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
+        if routed_ttl_s <= 0:
+            raise ValueError(f"routed_ttl_s must be positive, got {routed_ttl_s}")
+        if engine_capacity_blocks < 1:
+            raise ValueError(f"engine_capacity_blocks must be >= 1, got {engine_capacity_blocks}")
+        routed_ms = max(1, round(routed_ttl_s * 1000))
+        ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._routed_ttl_ms = routed_ms if ttl_ms is None else min(routed_ms, ttl_ms)
+        self._engine_capacity = engine_capacity_blocks
+        self._precise: set[str] = set()
+        self.engine_trimmed = 0
         self._default_capacity = capacity_blocks
         self._capacity: dict[str, int] = {}
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
@@ -76,6 +109,12 @@ class MemoryIndex:
 
     async def forget(self, replica: str) -> None:
         self.forget_now(replica)
+
+    async def record_engine(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+        self.record_engine_now(scope, replica, hashes)
+
+    async def evict_engine(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+        self.evict_engine_now(scope, replica, hashes)
 
     async def aclose(self) -> None:
         return None
@@ -108,10 +147,20 @@ class MemoryIndex:
             slot = slots.get(name)
             if slot is not None:
                 alive |= 1 << slot
+        if st.table:
+            self._match_routed(st, hashes, alive, result)
+        if st.etable:
+            self._match_engine(st, hashes, alive, result)
+        return result
+
+    def _match_routed(
+        self, st: _Scope, hashes: Sequence[int], alive: int, result: dict[str, int]
+    ) -> None:
+        n = len(hashes)
         get = st.table.get
         held = get(hashes[0], 0) & alive
         if not held:
-            return result
+            return
         found: list[tuple[int, int]] = []  # (replica bits, depth)
         full = get(hashes[n - 1], 0) & held
         if full:
@@ -137,14 +186,40 @@ class MemoryIndex:
                 group ^= low
         if st.holes:
             self._clip_at_holes(st, hashes, result)
-        return result
+
+    def _match_engine(
+        self, st: _Scope, hashes: Sequence[int], alive: int, result: dict[str, int]
+    ) -> None:
+        """Raise each replica's depth to its engine-reported run.
+
+        `runs[k]` is the set of replicas holding blocks 0..k-1 (an AND over the chain that
+        stops at the first empty set, all in C); sets only shrink along it, so the integers
+        never grow, and a bisection per replica finds where its bit drops out.
+        """
+        runs = list(takewhile(bool, accumulate(map(st.etable.get, hashes, repeat(0)), and_,
+                                               initial=alive)))  # fmt: skip
+        if len(runs) < 2:
+            return
+        names = self._names
+        end = len(runs)
+        group = runs[1]
+        while group:
+            low = group & -group
+            group ^= low
+            depth = bisect_left(runs, True, 2, end, key=lambda m, b=low: not m & b) - 1
+            name: str = names[low.bit_length() - 1]  # type: ignore[assignment]
+            if result[name] < depth:
+                result[name] = depth
 
     def record_now(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         """The replica now holds this chain; its blocks become its most recently used."""
         if not hashes:
             return
         now = self._now_ms()
-        expiry = _NEVER if self._ttl_ms is None else now + self._ttl_ms
+        if replica in self._precise:
+            expiry = now + self._routed_ttl_ms
+        else:
+            expiry = _NEVER if self._ttl_ms is None else now + self._ttl_ms
         st = self._scopes.get(scope)
         if st is None:
             st = self._scopes[scope] = _Scope()
@@ -210,9 +285,82 @@ class MemoryIndex:
                 for h in lru:
                     self._clear(st.table, h, bit)
             self._drop_replica(st, replica)
+            held = st.eheld.pop(replica, None)
+            if held:
+                for h in held:
+                    self._clear(st.etable, h, bit)
         self._names[slot] = None
         self._free.append(slot)
         self._drop_empty_scopes()
+
+    def record_engine_now(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+        """The engine reported these blocks stored (any part of a chain, in any order)."""
+        if not hashes:
+            return
+        st = self._scopes.get(scope)
+        if st is None:
+            st = self._scopes[scope] = _Scope()
+        bit = 1 << self._slot(replica)
+        held = st.eheld.get(replica)
+        if held is None:
+            held = st.eheld[replica] = OrderedDict()
+        table = st.etable
+        for h in hashes:
+            if h in held:
+                held.move_to_end(h)
+            else:
+                held[h] = None
+                table[h] = table.get(h, 0) | bit
+        over = len(held) - self._engine_capacity
+        if over > 0:
+            self.engine_trimmed += over
+            for _ in range(over):
+                h, _none = held.popitem(last=False)
+                self._clear(table, h, bit)
+
+    def evict_engine_now(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+        """The engine reported these blocks evicted. A routed guess for them goes too: the
+        engine's word is newer than the routing decision it was recorded for."""
+        st = self._scopes.get(scope)
+        slot = self._slots.get(replica)
+        if st is None or slot is None:
+            return
+        held = st.eheld.get(replica)
+        if held:
+            bit = 1 << slot
+            for h in hashes:
+                if h in held:
+                    del held[h]
+                    self._clear(st.etable, h, bit)
+            if not held:
+                del st.eheld[replica]
+        if replica in st.lru:
+            self.evict_now(scope, replica, hashes)
+        if st.empty():
+            del self._scopes[scope]
+
+    def set_precise(self, replica: str, precise: bool = True) -> None:
+        """Mark a replica whose engine reports its blocks: from now on its routed entries live
+        `routed_ttl_s`, and the ones it has are cut to that. Kept across `forget`."""
+        if not precise:
+            self._precise.discard(replica)
+            return
+        if replica in self._precise:
+            return
+        self._precise.add(replica)
+        cap = self._now_ms() + self._routed_ttl_ms
+        for st in self._scopes.values():
+            lru = st.lru.get(replica)
+            if lru:
+                for h, expiry in lru.items():  # expiries stay in LRU order: min with a constant
+                    if expiry == _NEVER or expiry > cap:
+                        lru[h] = cap
+                st.next_expiry = min(st.next_expiry, next(iter(lru.values())))
+            holes = st.holes.get(replica)
+            if holes:
+                for h, expiry in holes.items():
+                    if expiry == _NEVER or expiry > cap:
+                        holes[h] = cap
 
     def set_capacity(self, replica: str, blocks: int) -> None:
         """Capacity of one replica in blocks (per scope); trims it at once if it shrank."""
@@ -229,14 +377,19 @@ class MemoryIndex:
 
     def stats_now(self) -> IndexStats:
         per_replica: dict[str, int] = {}
+        per_replica_engine: dict[str, int] = {}
         distinct = 0
         size = sys.getsizeof(self._scopes)
         for st in self._scopes.values():
             distinct += len(st.table)
-            size += sys.getsizeof(st.table)
+            size += sys.getsizeof(st.table) + sys.getsizeof(st.etable)
+            size += len(st.etable) * _INT_BYTES
             for replica, lru in st.lru.items():
                 per_replica[replica] = per_replica.get(replica, 0) + len(lru)
                 size += sys.getsizeof(lru)
+            for replica, held in st.eheld.items():
+                per_replica_engine[replica] = per_replica_engine.get(replica, 0) + len(held)
+                size += sys.getsizeof(held)
         size += distinct * _INT_BYTES
         return IndexStats(
             backend="memory",
@@ -244,6 +397,9 @@ class MemoryIndex:
             entries=sum(per_replica.values()),
             distinct_blocks=distinct,
             bytes_estimate=size,
+            engine_blocks_per_replica=per_replica_engine,
+            engine_entries=sum(per_replica_engine.values()),
+            engine_trimmed=self.engine_trimmed,
         )
 
     # -- internals ----------------------------------------------------------------------------
@@ -325,5 +481,5 @@ class MemoryIndex:
             table.pop(h, None)
 
     def _drop_empty_scopes(self) -> None:
-        for scope in [s for s, st in self._scopes.items() if not st.table]:
+        for scope in [s for s, st in self._scopes.items() if st.empty()]:
             del self._scopes[scope]

@@ -109,6 +109,37 @@ def create_app(replica: Replica) -> Starlette:
                                       "seed=h_{i-1}), h_-1 = 0 or xxh3_64(cache_salt)",
                               "blocks": cache.dump()})
 
+    async def sim_kv_events(request: Request) -> Response:
+        publisher = replica.kv_events
+        if publisher is None:
+            raise ApiError(404, "this replica publishes no KV events (start it with "
+                                "--kv-events-port)")
+        if request.method == "POST":
+            body = await _json_body(request)
+            if not isinstance(body, dict) or set(body) - {"drop", "replayable"}:
+                raise bad('send {"drop": N, "replayable": true|false}')
+            drop, replayable = body.get("drop", 0), body.get("replayable", True)
+            if isinstance(drop, bool) or not isinstance(drop, int) or drop < 0:
+                raise bad("drop must be an integer >= 0", "drop")
+            if not isinstance(replayable, bool):
+                raise bad("replayable must be a boolean", "replayable")
+            publisher.drop(drop, replayable=replayable)
+        return json_response(publisher.state())
+
+    async def kv_event_sources(request: Request) -> Response:
+        publisher = replica.kv_events
+        if publisher is None:
+            return json_response({})
+        opts = publisher.options
+        return json_response({"0": {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": publisher.endpoint,
+            "replay_endpoint": publisher.replay_endpoint, "buffer_steps": opts.buffer_steps,
+            "topic": opts.topic, "encoding": opts.encoding}})
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        replica.reset_prefix_cache()
+        return Response(b"", status_code=200)
+
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         return json_response(exc.body(), exc.status)
@@ -128,6 +159,9 @@ def create_app(replica: Replica) -> Starlette:
         Route("/sim/stats/reset", sim_stats_reset, methods=["POST"]),
         Route("/sim/fault", sim_fault, methods=["GET", "POST"]),
         Route("/sim/cache", sim_cache, methods=["GET"]),
+        Route("/sim/kv_events", sim_kv_events, methods=["GET", "POST"]),
+        Route("/kv_event_sources", kv_event_sources, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
     return Starlette(routes=routes,
                      exception_handlers={ApiError: api_error, Exception: internal_error})

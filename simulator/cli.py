@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import signal
 import sys
 from collections.abc import Sequence
 
-from simulator.config import OutputLengths
+from simulator.config import KV_EVENTS_ENCODINGS, OutputLengths
 from simulator.fleet import Fleet
 from simulator.profiles import load_gpus, load_models
 
@@ -49,6 +50,13 @@ def parser() -> argparse.ArgumentParser:
                    help="fixed CPU cost per engine step (default 1 ms)")
     p.add_argument("--prefill-attention", action="store_true",
                    help="add attention FLOPs (quadratic in context) to prefill time")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a local tokenizer.json (default: the built-in byte tokenizer)")
+    p.add_argument("--kv-events-port", type=int, default=None, metavar="BASE",
+                   help="publish KV cache events: replica i on tcp://HOST:BASE+2i, replay on "
+                        "BASE+2i+1 (needs pyzmq and msgspec)")
+    p.add_argument("--kv-events-encoding", choices=KV_EVENTS_ENCODINGS, default="map",
+                   help="map: vLLM >= 0.24 events (default); legacy: positional arrays")
     return p
 
 
@@ -65,6 +73,8 @@ def fleet_from_args(args: argparse.Namespace) -> Fleet:
         output_lengths=OutputLengths.parse(args.output_len),
         step_overhead_s=args.step_overhead_ms / 1000.0,
         prefill_attention=args.prefill_attention,
+        tokenizer=args.tokenizer, kv_events_port=args.kv_events_port,
+        kv_events_encoding=args.kv_events_encoding,
     )
 
 
@@ -79,14 +89,24 @@ async def serve(fleet: Fleet) -> None:
             print(f"replica {i} {r.url} model={r.model_name} gpu={cfg.gpu.key} "
                   f"tp={cfg.tensor_parallel_size} kv_blocks={cfg.num_blocks} "
                   f"block_size={cfg.block_size} speedup={fleet.speedup:g}", flush=True)
+            if r.kv_events is not None:
+                print(f"replica {i} kv_events={r.kv_events.endpoint} "
+                      f"replay={r.kv_events.replay_endpoint} "
+                      f"encoding={r.kv_events.options.encoding}", flush=True)
         await stop.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.kv_events_port is not None:
+        missing = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
+        if missing:
+            print(f"error: --kv-events-port needs {' and '.join(missing)} "
+                  "(pip install 'kvgateway[events]')", file=sys.stderr)
+            return 2
     try:
         fleet = fleet_from_args(args)
-    except ValueError as exc:
+    except (ValueError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

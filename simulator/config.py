@@ -13,6 +13,36 @@ from simulator.perf_model import PerfModel, auto_tp
 from simulator.profiles import GpuProfile, ModelProfile, get_gpu, get_model
 
 Scheduling = Literal["fcfs", "priority"]
+KvEventsEncoding = Literal["legacy", "map"]
+KV_EVENTS_ENCODINGS: tuple[str, ...] = ("legacy", "map")
+DEFAULT_KV_EVENTS_BUFFER = 10_000  # vLLM's buffer_steps: batches kept for replay
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsOptions:
+    """Where and how one replica publishes KV events (port 0: an ephemeral port).
+
+    `legacy`: events are positional arrays (vLLM <= 0.23) and replay replies carry no topic
+    frame (vLLM <= 0.25). `map`: events are maps with "type" (vLLM >= 0.24) and replay replies
+    carry the topic frame (vLLM >= 0.26).
+    """
+
+    port: int = 0
+    replay_port: int = 0
+    encoding: KvEventsEncoding = "map"
+    topic: str = ""
+    buffer_steps: int = DEFAULT_KV_EVENTS_BUFFER
+
+    def __post_init__(self) -> None:
+        if self.encoding not in KV_EVENTS_ENCODINGS:
+            raise ValueError(
+                f"kv events encoding must be one of {', '.join(KV_EVENTS_ENCODINGS)}, "
+                f"got {self.encoding!r}")
+        if self.buffer_steps < 1:
+            raise ValueError("the kv events replay buffer must hold at least one batch")
+        for p in (self.port, self.replay_port):
+            if not 0 <= p < 65536:
+                raise ValueError(f"kv events port {p} is out of range")
 
 
 @dataclass(frozen=True, slots=True)

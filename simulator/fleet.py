@@ -6,26 +6,56 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from types import TracebackType
 from typing import Any
 
-from simulator.config import EngineConfig, build_config
+from simulator.config import (
+    DEFAULT_KV_EVENTS_BUFFER,
+    EngineConfig,
+    KvEventsEncoding,
+    KvEventsOptions,
+    build_config,
+)
 from simulator.profiles import GpuProfile, ModelProfile
 from simulator.replica import Replica
+from simulator.tokenizer import Tokenizer, TokenizerJson
 
 
 class Fleet:
     """`n` identical replicas. Replica i gets seed `seed + i`, and port `base_port + i`
     (ephemeral when `base_port` is None or 0). A restarted replica keeps its port and starts
-    empty: cold cache, zeroed stats, no fault."""
+    empty: cold cache, zeroed stats, no fault.
+
+    `tokenizer`: a path to a local tokenizer.json (or a Tokenizer) shared by all replicas.
+    `kv_events_port`: publish KV events; replica i on `port + 2i`, replay on `port + 2i + 1`
+    (0: ephemeral ports, kept across a restart). A restarted replica's sequence starts at 0.
+    """
 
     def __init__(self, n: int = 4, model: str | ModelProfile = "qwen2.5-14b",
                  gpu: str | GpuProfile = "a100-80g", speedup: float = 100.0, seed: int = 0, *,
                  base_port: int | None = None, host: str = "127.0.0.1",
-                 served_model_name: str | None = None, **engine_overrides: Any) -> None:
+                 served_model_name: str | None = None,
+                 tokenizer: str | os.PathLike[str] | Tokenizer | None = None,
+                 kv_events_port: int | None = None,
+                 kv_events_encoding: KvEventsEncoding = "map",
+                 kv_events_buffer_steps: int = DEFAULT_KV_EVENTS_BUFFER,
+                 **engine_overrides: Any) -> None:
         if n < 1:
             raise ValueError("a fleet needs at least one replica")
         self.n = n
+        self.tokenizer: Tokenizer | None = (
+            TokenizerJson(tokenizer) if isinstance(tokenizer, str | os.PathLike) else tokenizer)
+        self.kv_events: list[KvEventsOptions] | None = None
+        if kv_events_port is not None:
+            if kv_events_port and not 0 < kv_events_port + 2 * n <= 65536:
+                raise ValueError(f"kv events ports {kv_events_port}.. do not fit {n} replicas")
+            self.kv_events = [
+                KvEventsOptions(kv_events_port + 2 * i if kv_events_port else 0,
+                                kv_events_port + 2 * i + 1 if kv_events_port else 0,
+                                kv_events_encoding, buffer_steps=kv_events_buffer_steps)
+                for i in range(n)
+            ]
         self.config: EngineConfig = build_config(model, gpu, **engine_overrides)
         self.speedup = speedup
         self.seed = seed
@@ -38,9 +68,17 @@ class Fleet:
     def urls(self) -> list[str]:
         return [r.url for r in self.replicas]
 
+    @property
+    def kv_event_endpoints(self) -> list[tuple[str, str]]:
+        """(PUB endpoint, replay endpoint) per replica; empty without KV events."""
+        return [(p.endpoint, p.replay_endpoint) for r in self.replicas
+                if (p := r.kv_events) is not None]
+
     def _replica(self, i: int, port: int) -> Replica:
         return Replica(self.config, seed=self.seed + i, speedup=self.speedup,
-                       served_model_name=self.served_model_name, host=self.host, port=port)
+                       served_model_name=self.served_model_name, host=self.host, port=port,
+                       tokenizer=self.tokenizer,
+                       kv_events=self.kv_events[i] if self.kv_events else None)
 
     async def __aenter__(self) -> Fleet:
         try:
@@ -70,5 +108,7 @@ class Fleet:
         old = self.replicas[i]
         if old.running:
             await old.stop()
+        if self.kv_events is not None and old.kv_events_options is not None:
+            self.kv_events[i] = old.kv_events_options  # the ports it bound
         self.replicas[i] = self._replica(i, old.port)
         await self.replicas[i].start()

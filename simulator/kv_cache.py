@@ -8,6 +8,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import xxhash
 
@@ -84,6 +85,9 @@ class PrefixCache:
         self.table: dict[int, int] = {}  # block hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.evictions = 0
+        # KV events, when a publisher listens: ("stored", hashes, parent | None, token ids),
+        # ("removed", hash), ("cleared",), in the order they happen; the publisher drains it.
+        self.events: list[tuple[Any, ...]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -136,17 +140,36 @@ class PrefixCache:
             if h is not None:
                 if table.get(h) == b:
                     del table[h]
+                    if self.events is not None:
+                        self.events.append(("removed", h))
                 hash_of[b] = None
                 self.evictions += 1
             ref[b] = 1
             out.append(b)
         return out
 
-    def register(self, block: int, h: int) -> None:
-        """Mark a full, computed block as holding the prefix whose chain ends in `h`."""
+    def register(self, block: int, h: int) -> bool:
+        """Mark a full, computed block as holding the prefix whose chain ends in `h`; False
+        when another block already holds it (this one then caches nothing)."""
         if self.enabled and h not in self.table:
             self.table[h] = block
             self.hash_of[block] = h
+            return True
+        return False
+
+    def reset(self) -> int:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); returns how many. Blocks in
+        use stay with their sequences, and free ones move to the front of the free queue."""
+        n = len(self.table)
+        free, hash_of = self.free, self.hash_of
+        for b in self.table.values():
+            hash_of[b] = None
+            if b in free:
+                free.move_to_end(b, last=False)
+        self.table.clear()
+        if self.events is not None:
+            self.events.append(("cleared",))
+        return n
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference per block; freed blocks join the LRU queue.

@@ -9,19 +9,23 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Generator
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from simulator.app import create_app
-from simulator.config import EngineConfig
-from simulator.engine import Engine
+from simulator.config import EngineConfig, KvEventsOptions
+from simulator.engine import Engine, StepResult
 from simulator.faults import FaultSwitch
 from simulator.metrics import ReplicaMetrics
 from simulator.runner import EngineRunner
 from simulator.serving import CompletionService
 from simulator.stats import EngineCounters
 from simulator.tokenizer import ByteTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from simulator.kv_events import KvEventPublisher
 
 START_TIMEOUT_S = 10.0
 
@@ -44,11 +48,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class Replica:
-    """A vLLM-like server with a simulated GPU behind it."""
+    """A vLLM-like server with a simulated GPU behind it; with `kv_events`, it also publishes
+    KV cache events over ZMQ (which imports pyzmq and msgspec, the `events` extra)."""
 
     def __init__(self, config: EngineConfig, *, seed: int = 0, speedup: float = 1.0,
                  served_model_name: str | None = None, host: str = "127.0.0.1",
-                 port: int = 0, tokenizer: Tokenizer | None = None) -> None:
+                 port: int = 0, tokenizer: Tokenizer | None = None,
+                 kv_events: KvEventsOptions | None = None) -> None:
         self.config = config
         self.host, self.port = host, port
         self.speedup = speedup
@@ -56,7 +62,9 @@ class Replica:
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.engine = Engine(config, seed=seed, filler_ids=self.tokenizer.filler_ids)
         self.metrics = ReplicaMetrics(self.engine, self.model_name)
-        self.runner = EngineRunner(self.engine, speedup=speedup, on_step=self.metrics.on_step)
+        self.runner = EngineRunner(self.engine, speedup=speedup, on_step=self._on_step)
+        self.kv_events_options = kv_events
+        self.kv_events: KvEventPublisher | None = None
         self.faults = FaultSwitch()
         self.service = CompletionService(runner=self.runner, tokenizer=self.tokenizer,
                                          model_name=self.model_name, faults=self.faults,
@@ -76,8 +84,35 @@ class Replica:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    def _on_step(self, result: StepResult) -> None:
+        self.metrics.on_step(result)
+        if self.kv_events is not None:
+            self.kv_events.flush()  # one batch per step, published after it, as vLLM does
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix (the publisher sends AllBlocksCleared at once)."""
+        n = self.engine.cache.reset()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return n
+
     async def start(self) -> None:
-        sock = bind(self.host, self.port)
+        options = self.kv_events_options
+        if options is not None:
+            from simulator.kv_events import KvEventPublisher  # pyzmq only when asked for
+
+            publisher = KvEventPublisher(self.engine.cache, options, host=self.host)
+            await publisher.start()
+            self.kv_events = publisher
+            # the ports it got, so that a restarted replica publishes where this one did
+            self.kv_events_options = replace(options, port=publisher.port,
+                                             replay_port=publisher.replay_port)
+        try:
+            sock = bind(self.host, self.port)
+        except OSError:
+            if self.kv_events is not None:
+                await self.kv_events.stop()
+            raise
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
                                 ws="none")
@@ -116,6 +151,8 @@ class Replica:
                     await t
         await self.runner.stop()
         self._task = None
+        if self.kv_events is not None:
+            await self.kv_events.stop()
 
     # -- /sim/stats -----------------------------------------------------------------------
     def reset_stats(self) -> None:

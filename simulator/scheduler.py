@@ -6,6 +6,7 @@ One call to `schedule` decides one engine step, the way vLLM's v1 scheduler does
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from simulator.config import EngineConfig
 from simulator.kv_cache import PrefixCache, block_hashes
@@ -124,9 +125,28 @@ class Scheduler:
             return
         self.ensure_hashes(seq, full)
         cache = self.cache
-        for i in range(seq.n_registered, full):
-            cache.register(seq.blocks[i], seq.hashes[i])
+        blocks, hashes, start = seq.blocks, seq.hashes, seq.n_registered
         seq.n_registered = full
+        events = cache.events
+        if events is None:
+            for i in range(start, full):
+                cache.register(blocks[i], hashes[i])
+            return
+        run = -1  # first block of the run of newly cached blocks, one event per run
+        for i in range(start, full):
+            if cache.register(blocks[i], hashes[i]):
+                if run < 0:
+                    run = i
+            elif run >= 0:
+                self._stored(events, seq, run, i)
+                run = -1
+        if run >= 0:
+            self._stored(events, seq, run, full)
+
+    def _stored(self, events: list[tuple[Any, ...]], seq: Sequence, lo: int, hi: int) -> None:
+        bs, hashes = self.bs, seq.hashes
+        events.append(("stored", hashes[lo:hi], hashes[lo - 1] if lo else None,
+                       seq.tokens(lo * bs, hi * bs)))  # fmt: skip
 
     def ensure_hashes(self, seq: Sequence, n_blocks: int) -> None:
         have = len(seq.hashes)

@@ -1,11 +1,12 @@
-"""A deterministic stand-in tokenizer and a ChatML-like chat template; no download needed.
+"""A deterministic stand-in tokenizer, a local tokenizer.json, and a ChatML-like chat template.
 
-`Tokenizer` is the seam: a later `--tokenizer tokenizer.json` backend implements the same four
-members with the `tokenizers` package.
+`Tokenizer` is the seam: `ByteTokenizer` needs nothing; `TokenizerJson` reads a local file with
+the `tokenizers` package (nothing is downloaded). Both render chat with the same template.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import zlib
 from collections.abc import Mapping, Sequence
@@ -48,6 +49,19 @@ def render_content(content: Any) -> str:
     raise ValueError("message content must be a string, a list of parts or null")
 
 
+def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """ChatML: `<|im_start|>role\\ncontent<|im_end|>\\n` per message, then the
+    generation prompt `<|im_start|>assistant\\n`. `developer` is rendered as `system`."""
+    out = []
+    for m in messages:
+        role = str(m.get("role", "user"))
+        role = "system" if role == "developer" else role
+        out.append(f"{IM_START}{role}\n{render_content(m.get('content'))}{IM_END}\n")
+    if add_generation_prompt:
+        out.append(f"{IM_START}assistant\n")
+    return "".join(out)
+
+
 class ByteTokenizer:
     """One token per 4 UTF-8 bytes, restarting at special markers and after each newline.
 
@@ -83,16 +97,65 @@ class ByteTokenizer:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True) -> str:
-        """ChatML: `<|im_start|>role\\ncontent<|im_end|>\\n` per message, then the
-        generation prompt `<|im_start|>assistant\\n`. `developer` is rendered as `system`."""
-        out = []
-        for m in messages:
-            role = str(m.get("role", "user"))
-            role = "system" if role == "developer" else role
-            out.append(f"{IM_START}{role}\n{render_content(m.get('content'))}{IM_END}\n")
-        if add_generation_prompt:
-            out.append(f"{IM_START}assistant\n")
-        return "".join(out)
+        return render_chatml(messages, add_generation_prompt)
+
+    @property
+    def filler_ids(self) -> Sequence[int]:
+        return tuple(self._filler)
+
+    def decode_filler(self, token_id: int) -> str:
+        return self._filler.get(token_id, "")
+
+
+class TokenizerJson:
+    """A local `tokenizer.json` read with the `tokenizers` package (the gateway's tokens mode
+    reads the same file, so both cut a prompt into the same ids).
+
+    `encode` adds the tokenizer's special tokens, as vLLM does for completion prompts (and as
+    the gateway's TokenChunker does). Chat is rendered with the simulator's ChatML template,
+    not the model's. Generated tokens are drawn from ids that decode to whole filler words;
+    unlike the ByteTokenizer's, a reply sent back may tokenize to other ids (BPE merges across
+    words), which only costs the next turn some cache hits in its last blocks.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, add_special_tokens: bool = True) -> None:
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        from tokenizers import Tokenizer as HfTokenizer  # optional (the `tokens` extra)
+
+        self.path = path
+        self._tok = HfTokenizer.from_file(path)
+        self._special = add_special_tokens
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._filler = self._pick_filler()
+
+    def _pick_filler(self) -> dict[int, str]:
+        tok = self._tok
+        filler: dict[int, str] = {}
+        for w in _WORDS:
+            ids = tok.encode(f" {w}", add_special_tokens=False).ids
+            if len(ids) == 1:
+                filler.setdefault(ids[0], tok.decode(ids))
+        if len(filler) < 8:  # a small vocabulary: any ids that decode to visible text
+            special = set(tok.get_added_tokens_decoder())
+            for i in range(min(self.vocab_size, 4096)):
+                text = tok.decode([i])
+                if i not in special and text.strip() and "\ufffd" not in text:
+                    filler.setdefault(i, text)
+                if len(filler) >= 64:
+                    break
+        if not filler:
+            raise ValueError(f"{self.path}: no token decodes to text")
+        return filler
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=self._special).ids
+        return ids
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True) -> str:
+        return render_chatml(messages, add_generation_prompt)
 
     @property
     def filler_ids(self) -> Sequence[int]:

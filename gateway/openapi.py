@@ -1,0 +1,301 @@
+"""The OpenAPI 3.0 document of the gateway's public endpoints, served at `GET /openapi.json`.
+
+It states what the gateway itself checks (see `gateway/openai.py`), not all of the OpenAI API: any
+other field passes through to the replica untouched. Admin and debug routes are left out on
+purpose. Fuzzers (schemathesis, `tests/chaos/test_fuzz_openapi.py`) run against this document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .openai import MAX_DEPTH, MAX_TOKEN_ID, MAX_TOKENS_CAP
+
+__all__ = ["openapi_document"]
+
+_REF = "#/components/schemas/"
+_ERROR_STATUSES = {
+    "400": "Malformed body, wrong types or missing fields (`param` names the field).",
+    "401": "Missing or unknown API key.",
+    "403": "The tenant may not use the requested priority class.",
+    "404": "No route matches the model.",
+    "413": "The body is larger than `server.max_body_bytes`.",
+    "429": "Rate limited or shed by admission control (`Retry-After`).",
+    "502": "The replicas failed.",
+    "503": "No replica is available (`Retry-After`).",
+    "504": "The replicas timed out.",
+}
+_HEADERS: list[dict[str, Any]] = [
+    {
+        "name": "x-priority",
+        "in": "header",
+        "required": False,
+        "description": "Priority class name (e.g. `interactive`, `batch`).",
+        "schema": {"type": "string"},
+    },
+    {
+        "name": "x-session-id",
+        "in": "header",
+        "required": False,
+        "description": "Session stickiness key (else the body's `user`).",
+        "schema": {"type": "string"},
+    },
+    {
+        "name": "x-request-id",
+        "in": "header",
+        "required": False,
+        "description": "Echoed back and sent upstream (first 128 characters).",
+        "schema": {"type": "string"},
+    },
+]
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF + name}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _errors(*statuses: str) -> dict[str, Any]:
+    return {
+        s: {"description": _ERROR_STATUSES[s], "content": _json(_ref("Error"))} for s in statuses
+    }
+
+
+_PROXY_ERRORS = ("400", "401", "403", "404", "413", "429", "502", "503", "504")
+
+
+def _sampling_fields() -> dict[str, Any]:
+    tokens = {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_CAP, "nullable": True}
+    number = {"type": "number", "nullable": True}
+    return {
+        "model": {"type": "string", "minLength": 1},
+        "stream": {"type": "boolean", "nullable": True},
+        "stream_options": {
+            "type": "object",
+            "nullable": True,
+            "properties": {"include_usage": {"type": "boolean"}},
+        },
+        "max_tokens": tokens,
+        "max_completion_tokens": tokens,
+        "n": {"type": "integer", "minimum": 1, "maximum": 128, "nullable": True},
+        "temperature": number,
+        "top_p": number,
+        "presence_penalty": number,
+        "frequency_penalty": number,
+        "user": {"type": "string", "nullable": True},
+    }
+
+
+def _schemas() -> dict[str, Any]:
+    token_id = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
+    part = {
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"type": "string"}, "text": {"type": "string"}},
+    }
+    return {
+        "Error": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "required": ["message", "type", "param", "code"],
+                    "properties": {
+                        "message": {"type": "string"},
+                        "type": {"type": "string"},
+                        "param": {"type": "string", "nullable": True},
+                        "code": {
+                            "nullable": True,
+                            "oneOf": [{"type": "string"}, {"type": "integer"}],
+                        },
+                    },
+                }
+            },
+        },
+        "Message": {
+            "type": "object",
+            "required": ["role"],
+            "properties": {
+                "role": {
+                    "type": "string",
+                    "enum": ["system", "developer", "user", "assistant", "tool", "function"],
+                },
+                "content": {
+                    "nullable": True,
+                    "oneOf": [{"type": "string"}, {"type": "array", "items": part}],
+                },
+                "name": {"type": "string"},
+            },
+        },
+        "ChatCompletionRequest": {
+            "type": "object",
+            "required": ["model", "messages"],
+            "description": f"Other fields pass through. Nesting deeper than {MAX_DEPTH} is refused.",
+            "properties": {
+                **_sampling_fields(),
+                "messages": {"type": "array", "minItems": 1, "items": _ref("Message")},
+            },
+        },
+        "CompletionRequest": {
+            "type": "object",
+            "required": ["model", "prompt"],
+            "description": f"Other fields pass through. Nesting deeper than {MAX_DEPTH} is refused.",
+            "properties": {
+                **_sampling_fields(),
+                "prompt": {
+                    "oneOf": [
+                        {"type": "string"},
+                        {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                        {"type": "array", "minItems": 1, "items": token_id},
+                        {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {"type": "array", "minItems": 1, "items": token_id},
+                        },
+                    ]
+                },
+            },
+        },
+        "Completion": {
+            "type": "object",
+            "required": ["choices"],
+            "description": "The replica's answer, relayed unchanged.",
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"type": "string"},
+                "model": {"type": "string"},
+                "choices": {"type": "array"},
+                "usage": {"type": "object"},
+            },
+        },
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {
+                "object": {"type": "string", "enum": ["list"]},
+                "data": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["id"],
+                        "properties": {"id": {"type": "string"}},
+                    },
+                },
+            },
+        },
+        "Ready": {
+            "type": "object",
+            "required": ["status", "available_replicas"],
+            "properties": {
+                "status": {"type": "string", "enum": ["ready", "not_ready"]},
+                "available_replicas": {
+                    "type": "object",
+                    "additionalProperties": {"type": "integer", "minimum": 0},
+                },
+            },
+        },
+    }
+
+
+def _proxy_path(summary: str, request: str, op_id: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "operationId": op_id,
+            "summary": summary,
+            "parameters": _HEADERS,
+            "requestBody": {"required": True, "content": _json(_ref(request))},
+            "responses": {
+                "200": {
+                    "description": "The replica's answer: JSON, or an SSE stream when "
+                    '`stream` is true (a stream that breaks ends with `data: {"error": ...}`).',
+                    "content": {
+                        **_json(_ref("Completion")),
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **_errors(*_PROXY_ERRORS),
+            },
+        }
+    }
+
+
+def openapi_document(server_url: str | None = None) -> dict[str, Any]:
+    """The document as a plain dict (JSON-ready); `server_url` fills `servers` when given."""
+    doc: dict[str, Any] = {
+        "openapi": "3.0.3",
+        "info": {
+            "title": "kvgateway",
+            "version": "0.1.0",
+            "description": "KV-cache-aware routing gateway speaking the OpenAI API. "
+            'Errors are always `{"error": {message, type, param, code}}`.',
+        },
+        "paths": {
+            "/v1/chat/completions": _proxy_path(
+                "Chat completion, routed to a replica", "ChatCompletionRequest", "chat"
+            ),
+            "/v1/completions": _proxy_path(
+                "Text completion, routed to a replica", "CompletionRequest", "completions"
+            ),
+            "/v1/models": {
+                "get": {
+                    "operationId": "models",
+                    "summary": "Models the replicas report, merged",
+                    "security": [],
+                    "responses": {
+                        "200": {"description": "The models.", "content": _json(_ref("ModelList"))}
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "operationId": "health",
+                    "summary": "Liveness",
+                    "security": [],
+                    "responses": {
+                        "200": {
+                            "description": "The process serves.",
+                            "content": _json(
+                                {"type": "object", "properties": {"status": {"type": "string"}}}
+                            ),
+                        }
+                    },
+                }
+            },
+            "/ready": {
+                "get": {
+                    "operationId": "ready",
+                    "summary": "Readiness: every pool has an available replica",
+                    "security": [],
+                    "responses": {
+                        "200": {"description": "Ready.", "content": _json(_ref("Ready"))},
+                        "503": {"description": "Not ready.", "content": _json(_ref("Ready"))},
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "summary": "Prometheus metrics",
+                    "security": [],
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text format.",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": _schemas(),
+            "securitySchemes": {"tenantKey": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"tenantKey": []}, {}],
+    }
+    if server_url:
+        doc["servers"] = [{"url": server_url}]
+    return doc
