@@ -38,7 +38,10 @@ from .tracing import RequestTrace
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-UPSTREAM_PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+UPSTREAM_PATHS: dict[Kind, bytes] = {
+    "chat": b"/v1/chat/completions",
+    "completions": b"/v1/completions",
+}
 
 
 @dataclass(slots=True)
@@ -259,18 +262,20 @@ class Pipeline:
         """Try the ranked replicas in turn until one answers; never retry after the first byte."""
         pc = pool.config
         path = UPSTREAM_PATHS[req.kind]
-        up_headers = {
-            "content-type": "application/json",
-            "accept-encoding": "identity",
-            "x-request-id": routed.request_id,
-        }
+        up_headers = [
+            (b"content-type", b"application/json"),
+            (b"accept-encoding", b"identity"),
+            (b"x-request-id", routed.request_id.encode("latin-1")),
+        ]
         if pc.upstream_api_key is not None:
-            up_headers["authorization"] = "Bearer " + pc.upstream_api_key.get_secret_value()
+            up_headers.append(
+                (b"authorization", b"Bearer " + pc.upstream_api_key.get_secret_value().encode())
+            )
         if ctx.trace is not None:
-            up_headers["traceparent"] = ctx.trace.traceparent()
+            up_headers.append((b"traceparent", ctx.trace.traceparent().encode()))
             state = ctx.trace.tracestate()
             if state:
-                up_headers["tracestate"] = state
+                up_headers.append((b"tracestate", state.encode()))
         failures: list[str] = []
         timed_out = False
         attempt: _Attempt | None = first
@@ -284,8 +289,9 @@ class Pipeline:
             try:
                 try:
                     opened = await open_upstream(
-                        self.gw.session,
-                        replica.url + path,
+                        self.gw.upstream,
+                        replica.url,
+                        path,
                         body,
                         up_headers,
                         pc.timeouts,
@@ -355,9 +361,12 @@ class Pipeline:
         index = self.gw.index
         if req.stream:
             tap = StreamTap(strip_usage=not req.include_usage)
-            if index is not None and routed.block_hashes:  # prefill is done: the replica holds them
-                await index.record(routed.scope, ctx.replica, routed.block_hashes)
-            broke = await relay_stream(opened, send, extra, tap)
+
+            async def learn() -> None:  # prefill is done: the replica holds the prompt's blocks
+                if index is not None and routed.block_hashes:
+                    await index.record(routed.scope, ctx.replica, routed.block_hashes)
+
+            broke = await relay_stream(opened, send, extra, tap, learn)
             ctx.t_last = time.perf_counter_ns()
             if broke is not None:
                 ctx.outcome, ctx.error_type = "broken_mid_stream", broke.type

@@ -1,27 +1,29 @@
 """Forward one request to a replica and relay the answer: failover before the first byte, never after.
 
 Streamed bytes go to the client as they arrive, unparsed and uncopied; the upstream socket is closed
-at once when the client goes away, so the engine aborts the request.
+at once when the client goes away, so the engine aborts the request. The client is gateway.upstream
+(a lean keep-alive HTTP/1.1 client: aiohttp's cost dominated the gateway's CPU per request).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from .config import TimeoutsConfig
 from .errors import GatewayError, UpstreamError, UpstreamTimeout, sse_error_event
 from .streams import StreamTap
+from .upstream import UpstreamBrokenError, UpstreamConnectError, UpstreamPool, UpstreamResponse
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a non-streamed answer larger than this is a broken replica
 _PASS_HEADERS = frozenset({b"content-type", b"x-request-id", b"openai-processing-ms"})
 
 
@@ -36,97 +38,87 @@ class Retryable(Exception):
 
 @dataclass(slots=True)
 class Opened:
-    resp: aiohttp.ClientResponse
-    first: bytes  # the first body bytes (whole body when not streaming)
-    ttfb_s: float  # request sent -> first body bytes
+    resp: UpstreamResponse
+    first: bytes  # the first body bytes (the whole body when not streaming)
 
-
-def make_session(connect_s: float, limit: int = 0) -> aiohttp.ClientSession:
-    """One pooled keep-alive client for every replica (TCP_NODELAY is aiohttp's default)."""
-    connector = aiohttp.TCPConnector(
-        limit=limit, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=10
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None, connect=connect_s),
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent",),
-    )
+    @property
+    def status(self) -> int:
+        return self.resp.status
 
 
 async def open_upstream(
-    session: aiohttp.ClientSession,
-    url: str,
+    pool: UpstreamPool,
+    origin: str,
+    path: bytes,
     body: bytes,
-    headers: dict[str, str],
+    headers: Headers,
     timeouts: TimeoutsConfig,
     stream: bool,
 ) -> Opened:
     """Send the request and wait for its first body bytes (all of them when not streaming).
 
     Raises Retryable for everything that may be retried elsewhere: connect errors, a timeout
-    before the first byte, 502/503/504, or a connection that ended before any byte.
+    before the first byte, 502/503/504, or a connection that broke before any byte.
     """
-    t0 = time.perf_counter()
-    resp: aiohttp.ClientResponse | None = None
+    resp: UpstreamResponse | None = None
     try:
-        async with asyncio.timeout(timeouts.first_byte_s if stream else timeouts.total_s):
-            resp = await session.post(
-                url,
-                data=body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(
-                    total=timeouts.total_s, connect=timeouts.connect_s, sock_read=timeouts.idle_s
-                ),
-            )
-            if resp.status in RETRYABLE_STATUS:
-                await _drain_quietly(resp)
-                raise Retryable(f"upstream status {resp.status}", resp.status)
-            if stream and resp.status == 200:
-                first = await resp.content.readany()
-                if not first:
-                    raise Retryable("upstream closed before the first byte")
-            else:
-                first = await resp.read()
+        resp = await pool.request(
+            origin,
+            b"POST",
+            path,
+            headers,
+            body,
+            first_byte_timeout_s=timeouts.first_byte_s if stream else timeouts.total_s,
+            idle_timeout_s=timeouts.idle_s,
+            total_timeout_s=timeouts.total_s,
+        )
+        if resp.status in RETRYABLE_STATUS:
+            resp.abort()
+            raise Retryable(f"upstream status {resp.status}", resp.status)
+        if stream and resp.status == 200:
+            # engines send stream headers at once; the first chunk comes after the prefill
+            async with asyncio.timeout(timeouts.first_byte_s):
+                first = await resp.read_chunk()
+            if not first:
+                raise Retryable("upstream closed before the first byte")
+        else:
+            first = await resp.read_all(MAX_RESPONSE_BYTES)
     except Retryable:
-        if resp is not None:
-            resp.close()
         raise
     except TimeoutError:
         if resp is not None:
-            resp.close()
+            resp.abort()
         raise Retryable("timeout before the first byte") from None
-    except (aiohttp.ClientError, OSError) as exc:
+    except UpstreamConnectError as exc:
+        raise Retryable(f"connection failed ({exc})") from None
+    except UpstreamBrokenError as exc:
         if resp is not None:
-            resp.close()
-        raise Retryable(f"connection failed ({type(exc).__name__})") from None
+            resp.abort()
+        raise Retryable(f"closed before the first byte ({exc})") from None
     except BaseException:  # cancelled (client gone): hang up so the engine aborts the request
         if resp is not None:
-            resp.close()
+            resp.abort()
         raise
-    return Opened(resp, first, time.perf_counter() - t0)
+    return Opened(resp, first)
 
 
-async def _drain_quietly(resp: aiohttp.ClientResponse) -> None:
-    try:
-        async with asyncio.timeout(1.0):
-            await resp.read()
-    except (aiohttp.ClientError, OSError, TimeoutError):
-        pass
-
-
-def response_headers(
-    resp: aiohttp.ClientResponse, extra: list[tuple[bytes, bytes]]
-) -> list[tuple[bytes, bytes]]:
-    out = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() in _PASS_HEADERS]
+def response_headers(resp: UpstreamResponse, extra: Headers) -> Headers:
+    out = [(k, v) for k, v in resp.headers if k in _PASS_HEADERS]
     out.extend(extra)
     return out
 
 
 async def relay_stream(
-    opened: Opened, send: Send, extra_headers: list[tuple[bytes, bytes]], tap: StreamTap
+    opened: Opened,
+    send: Send,
+    extra_headers: Headers,
+    tap: StreamTap,
+    after_first: Callable[[], Awaitable[None]] | None = None,
 ) -> GatewayError | None:
-    """Relay an SSE stream; returns the error that broke it mid-way (already told to the client)."""
+    """Relay an SSE stream; returns the error that broke it mid-way (already told to the client).
+
+    `after_first` runs once the first chunk is on its way to the client (off the TTFT path).
+    """
     resp = opened.resp
     await send(
         {
@@ -139,25 +131,26 @@ async def relay_stream(
     if out:
         await send({"type": "http.response.body", "body": out, "more_body": True})
     broke: GatewayError | None = None
-    content = resp.content
     try:
+        if after_first is not None:
+            await after_first()
         while True:
-            chunk = await content.readany()
+            chunk = await resp.read_chunk()
             if not chunk:
                 break
             out = tap.feed(chunk)
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
     except asyncio.CancelledError:  # the client went away: hang up so the engine aborts
-        resp.close()
+        resp.abort()
         raise
     except TimeoutError:
-        broke = UpstreamTimeout("The upstream replica stopped sending mid-stream (idle timeout)")
-    except (aiohttp.ClientError, OSError) as exc:
-        broke = UpstreamError(f"The upstream replica failed mid-stream ({type(exc).__name__})")
+        broke = UpstreamTimeout("The upstream replica stopped sending mid-stream (timeout)")
+    except UpstreamBrokenError as exc:
+        broke = UpstreamError(f"The upstream replica failed mid-stream ({exc})")
     rest = tap.flush()
     if broke is not None:
-        resp.close()
+        resp.abort()
         await send(
             {
                 "type": "http.response.body",
@@ -171,20 +164,8 @@ async def relay_stream(
     return broke
 
 
-def with_stream_usage(raw: bytes, body: dict[str, Any]) -> bytes:
-    """The body asking the replica for a final usage chunk (spliced in, not re-encoded, when absent)."""
-    if "stream_options" not in body:
-        end = raw.rstrip()
-        if end.endswith(b"}"):
-            head = end[:-1].rstrip()
-            sep = b"" if head.endswith(b"{") else b","
-            return head + sep + b'"stream_options":{"include_usage":true}}'
-    opts = body.get("stream_options") or {}
-    return orjson.dumps({**body, "stream_options": {**opts, "include_usage": True}})
-
-
 async def send_whole(
-    opened: Opened, send: Send, extra_headers: list[tuple[bytes, bytes]], body: bytes | None = None
+    opened: Opened, send: Send, extra_headers: Headers, body: bytes | None = None
 ) -> None:
     resp = opened.resp
     resp.release()
@@ -196,6 +177,18 @@ async def send_whole(
     headers.append((b"content-length", str(len(payload)).encode()))
     await send({"type": "http.response.start", "status": resp.status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def with_stream_usage(raw: bytes, body: dict[str, Any]) -> bytes:
+    """The body asking the replica for a final usage chunk (spliced in, not re-encoded, when absent)."""
+    if "stream_options" not in body:
+        end = raw.rstrip()
+        if end.endswith(b"}"):
+            head = end[:-1].rstrip()
+            sep = b"" if head.endswith(b"{") else b","
+            return head + sep + b'"stream_options":{"include_usage":true}}'
+    opts = body.get("stream_options") or {}
+    return orjson.dumps({**body, "stream_options": {**opts, "include_usage": True}})
 
 
 def normalize_error_body(status: int, body: bytes, expose: bool) -> bytes:

@@ -26,12 +26,12 @@ from prefix_index.chunking import Chunker, make_chunker
 from .admission import Admission, shed_all
 from .config import Config, PoolConfig, ReplicaConfig
 from .discovery import DiscoveryConfig, DiscoveryError
-from .proxy import make_session
 from .ratelimit import RateLimiter, open_rate_limiter
 from .replicas import ReplicaMonitor, ReplicaState
 from .telemetry import Metrics
 from .tenants import TenantDirectory
 from .tracing import Tracing
+from .upstream import UpstreamPool
 from .window import RollingWindow
 
 log = logging.getLogger("gateway")
@@ -79,7 +79,8 @@ class Gateway:
         self.recent: deque[dict[str, Any]] = deque(maxlen=200)  # last routing decisions
         self.window = RollingWindow()  # recent per-replica latencies and hit rates, for /dashboard
         self.index: PrefixIndex | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # probes, scrapes, /v1/models
+        self._upstream: UpstreamPool | None = None  # the request path
         self._monitors: dict[int, ReplicaMonitor] = {}  # id(ReplicaState) -> its monitor
         self._discovery: dict[str, tuple[Any, asyncio.Task[None]]] = {}  # pool -> (config, watcher)
         self._retiring: set[asyncio.Task[None]] = set()
@@ -130,6 +131,11 @@ class Gateway:
         assert self._session is not None, "Gateway.start() was not awaited"
         return self._session
 
+    @property
+    def upstream(self) -> UpstreamPool:
+        assert self._upstream is not None, "Gateway.start() was not awaited"
+        return self._upstream
+
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         self.index = self._open_index(self.config)
@@ -137,7 +143,11 @@ class Gateway:
             self.limiter = open_rate_limiter(
                 self.config.ratelimit.backend, self.config.ratelimit.redis_url
             )
-        self._session = make_session(max(p.config.timeouts.connect_s for p in self.pools.values()))
+        connect_s = max(p.config.timeouts.connect_s for p in self.pools.values())
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, connect=connect_s)
+        )
+        self._upstream = UpstreamPool(connect_s)
         self._sync_monitors()
         self._sync_discovery()
 
@@ -187,6 +197,8 @@ class Gateway:
             await self.limiter.aclose()
         if self._session is not None:
             await self._session.close()
+        if self._upstream is not None:
+            await self._upstream.aclose()
         await self.tracing.aclose()
 
     def _sync_monitors(self) -> None:

@@ -65,9 +65,11 @@ class Subscriber:
         self.sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
 
-    async def next(self, timeout: float = WAIT_S) -> tuple[bytes, int, bytes]:
-        async with asyncio.timeout(timeout):
-            topic, seq, payload = await self.sub.recv_multipart()
+    async def next(self, wait_s: float = WAIT_S) -> tuple[bytes, int, bytes]:
+        # poll, then receive: cancelling a pending recv can lose the message it was getting
+        if not await self.sub.poll(round(wait_s * 1000)):
+            raise TimeoutError
+        topic, seq, payload = await self.sub.recv_multipart(zmq.NOBLOCK)
         return topic, int.from_bytes(seq, "big"), payload
 
     async def live(self, http: httpx.AsyncClient, url: str) -> int:
@@ -77,7 +79,7 @@ class Subscriber:
             while True:
                 assert (await http.post(url + "/reset_prefix_cache")).status_code == 200
                 try:
-                    _topic, seq, payload = await self.next(timeout=0.1)
+                    _topic, seq, payload = await self.next(0.1)
                 except TimeoutError:
                     continue
                 raw = msgpack.decode(payload)
@@ -324,19 +326,16 @@ print(sorted(m for m in ("zmq", "msgspec") if m in sys.modules))
 async def feed(sub: Subscriber, applier: KvEventApplier, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
-            _topic, _seq, payload = await sub.next(timeout=0.05)
+            _topic, _seq, payload = await sub.next(0.05)
         except TimeoutError:
             continue
         await applier.apply(decode_batch(payload))
 
 
 async def wait_for(predicate: Any) -> None:
-    try:
-        async with asyncio.timeout(WAIT_S):
-            while not await predicate():
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        print("DBG timeout", predicate.__closure__)
+    async with asyncio.timeout(WAIT_S):
+        while not predicate():  # noqa: ASYNC110 - polls what another task changes
+            await asyncio.sleep(0.01)
 
 
 
@@ -368,9 +367,8 @@ async def test_the_index_learns_exactly_what_the_replica_stored(
             r = await http.post(fleet.urls[0] + "/tokenize", json={"prompt": PROMPT})
             engine_blocks = r.json()["count"] // 16  # what the replica will report stored
             await complete(http, fleet.urls[0], PROMPT)
-            await wait_for(lambda: _stored_at_least(appliers[0], engine_blocks))
+            await wait_for(lambda: appliers[0].counts.stored >= engine_blocks)
             got = await index.match(scope, hashes, names)
-            print("DBG", appliers[0].counts, engine_blocks)
         finally:
             stop.set()
             await asyncio.gather(*tasks)
@@ -381,7 +379,3 @@ async def test_the_index_learns_exactly_what_the_replica_stored(
         assert appliers[0].counts.unknown_parent == 0 and appliers[0].counts.mismatched == 0
     else:
         assert got == {"r0": 0, "r1": 0} and engine_blocks > 0
-
-
-async def _stored_at_least(applier: KvEventApplier, n: int) -> bool:
-    return applier.counts.stored >= n

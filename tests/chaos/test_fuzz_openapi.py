@@ -1,0 +1,72 @@
+"""Schemathesis against the gateway's own `/openapi.json`, positive and negative cases for every
+operation, on a real gateway process: no 5xx, status codes, content types and bodies as documented.
+
+Fixed budget: derandomized, a few dozen examples per operation (~10 s for the module).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.specs.openapi.checks import unsupported_method
+
+from gateway.openapi import openapi_document
+from tests.chaos.conftest import TENANT_KEY, GatewayProc
+
+
+def test_document_is_served_and_lists_the_public_endpoints(gw: GatewayProc) -> None:
+    res = httpx.get(gw.url + "/openapi.json")
+    assert res.status_code == 200 and res.headers["content-type"] == "application/json"
+    doc = res.json()
+    assert doc == openapi_document()
+    assert set(doc["paths"]) == {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+    }
+    assert not any(p.startswith(("/admin", "/debug")) for p in doc["paths"])
+
+
+# the document the gateway serves (the test above checks it is the same), loaded at collection so
+# schemathesis makes one test per operation; the requests go to the module's gateway process
+schema = schemathesis.openapi.from_dict(openapi_document())
+
+
+@schema.parametrize()
+@settings(
+    max_examples=40,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+def test_openapi_contract(gw: GatewayProc, case: Any) -> None:
+    case.call_and_validate(
+        base_url=gw.url,
+        headers={"authorization": f"Bearer {TENANT_KEY}"},
+        timeout=15,
+        excluded_checks=[unsupported_method],  # 405 without `Allow`: its own test below
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="app.create_app's http_error drops Starlette's `Allow` header from 405 answers "
+    "(RFC 9110 requires it; schemathesis ST204) — reported",
+)
+def test_405_names_the_allowed_methods(gw: GatewayProc) -> None:
+    for method, path in [
+        ("GET", "/v1/chat/completions"),
+        ("TRACE", "/health"),
+        ("POST", "/metrics"),
+    ]:
+        res = httpx.request(method, gw.url + path)
+        assert res.status_code == 405 and res.json()["error"]["code"] == "method_not_allowed"
+        assert "allow" in res.headers, (method, path)
