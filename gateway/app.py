@@ -153,7 +153,6 @@ def create_app(
     reloader = ConfigReloader(gateway, config_path) if config_path else None
     models = _ModelList(gateway)
     page = (importlib.resources.files("gateway") / "static" / "dashboard.html").read_bytes()
-    openapi = orjson.dumps(openapi_document())
 
     async def health(request: Request) -> Response:
         return _json({"status": "ok"})
@@ -175,7 +174,7 @@ def create_app(
         return _json({"object": "list", "data": await models.get()})
 
     async def decisions(request: Request) -> Response:
-        return _json({"decisions": list(gateway.recent)})
+        return _json({"decisions": gateway.decisions()})
 
     async def status(request: Request) -> Response:
         return _json(snapshot(gateway, gateway.window))
@@ -193,7 +192,7 @@ def create_app(
         return _json({"applied": ok, "version": reloader.version()}, 200 if ok else 422)
 
     async def openapi_json(request: Request) -> Response:
-        return Response(openapi, media_type="application/json")
+        return _json(openapi_document(gateway.config.priority_classes))  # classes follow reloads
 
     async def dashboard(request: Request) -> Response:
         return Response(page, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)

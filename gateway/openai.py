@@ -179,6 +179,9 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
         v = body.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
             raise _bad(f"'{key}' must be a number", key)
+    priority = body.get("priority")
+    if priority is not None and not (isinstance(priority, str) or _is_int(priority)):
+        raise _bad("'priority' must be a priority class name or an integer", "priority")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad("'user' must be a string", "user")

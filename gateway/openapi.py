@@ -7,6 +7,7 @@ purpose. Fuzzers (schemathesis, `tests/chaos/test_fuzz_openapi.py`) run against 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from .openai import MAX_DEPTH, MAX_TOKEN_ID, MAX_TOKENS_CAP
@@ -25,14 +26,24 @@ _ERROR_STATUSES = {
     "503": "No replica is available (`Retry-After`).",
     "504": "The replicas timed out.",
 }
-_HEADERS: list[dict[str, Any]] = [
-    {
-        "name": "x-priority",
-        "in": "header",
-        "required": False,
-        "description": "Priority class name (e.g. `interactive`, `batch`).",
-        "schema": {"type": "string"},
-    },
+
+
+def _headers(classes: list[str]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": "x-priority",
+            "in": "header",
+            "required": False,
+            "description": "Priority class (the tenant must be allowed it). A string `priority` "
+            "in the body also names a class when this header is absent; an integer one is vLLM's "
+            "own field and passes through.",
+            "schema": {"type": "string", "enum": classes},
+        },
+        *_PLAIN_HEADERS,
+    ]
+
+
+_PLAIN_HEADERS: list[dict[str, Any]] = [
     {
         "name": "x-session-id",
         "in": "header",
@@ -89,12 +100,12 @@ def _sampling_fields() -> dict[str, Any]:
     }
 
 
-def _schemas() -> dict[str, Any]:
+def _schemas(classes: list[str]) -> dict[str, Any]:
     token_id = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
     part = {
         "type": "object",
         "required": ["type"],
-        "properties": {"type": {"type": "string"}, "text": {"type": "string"}},
+        "properties": {"type": {"type": "string"}},
     }
     return {
         "Error": {
@@ -128,7 +139,6 @@ def _schemas() -> dict[str, Any]:
                     "nullable": True,
                     "oneOf": [{"type": "string"}, {"type": "array", "items": part}],
                 },
-                "name": {"type": "string"},
             },
         },
         "ChatCompletionRequest": {
@@ -172,6 +182,13 @@ def _schemas() -> dict[str, Any]:
                 "usage": {"type": "object"},
             },
         },
+        "StreamEvent": {
+            "type": "object",
+            "description": "One server-sent event: `data:` holds a chunk as JSON, "
+            '`[DONE]` at the end, or `{"error": ...}` when the stream broke.',
+            "required": ["data"],
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+        },
         "ModelList": {
             "type": "object",
             "required": ["object", "data"],
@@ -201,12 +218,12 @@ def _schemas() -> dict[str, Any]:
     }
 
 
-def _proxy_path(summary: str, request: str, op_id: str) -> dict[str, Any]:
+def _proxy_path(summary: str, request: str, op_id: str, classes: list[str]) -> dict[str, Any]:
     return {
         "post": {
             "operationId": op_id,
             "summary": summary,
-            "parameters": _HEADERS,
+            "parameters": _headers(classes),
             "requestBody": {"required": True, "content": _json(_ref(request))},
             "responses": {
                 "200": {
@@ -214,7 +231,7 @@ def _proxy_path(summary: str, request: str, op_id: str) -> dict[str, Any]:
                     '`stream` is true (a stream that breaks ends with `data: {"error": ...}`).',
                     "content": {
                         **_json(_ref("Completion")),
-                        "text/event-stream": {"schema": {"type": "string"}},
+                        "text/event-stream": {"schema": _ref("StreamEvent")},
                     },
                 },
                 **_errors(*_PROXY_ERRORS),
@@ -223,8 +240,12 @@ def _proxy_path(summary: str, request: str, op_id: str) -> dict[str, Any]:
     }
 
 
-def openapi_document(server_url: str | None = None) -> dict[str, Any]:
-    """The document as a plain dict (JSON-ready); `server_url` fills `servers` when given."""
+def openapi_document(
+    priority_classes: Iterable[str] = ("interactive", "batch"), server_url: str | None = None
+) -> dict[str, Any]:
+    """The document as a plain dict (JSON-ready) for a gateway with these priority classes;
+    `server_url` fills `servers` when given."""
+    classes = sorted(priority_classes)
     doc: dict[str, Any] = {
         "openapi": "3.0.3",
         "info": {
@@ -235,10 +256,10 @@ def openapi_document(server_url: str | None = None) -> dict[str, Any]:
         },
         "paths": {
             "/v1/chat/completions": _proxy_path(
-                "Chat completion, routed to a replica", "ChatCompletionRequest", "chat"
+                "Chat completion, routed to a replica", "ChatCompletionRequest", "chat", classes
             ),
             "/v1/completions": _proxy_path(
-                "Text completion, routed to a replica", "CompletionRequest", "completions"
+                "Text completion, routed to a replica", "CompletionRequest", "completions", classes
             ),
             "/v1/models": {
                 "get": {
@@ -291,7 +312,7 @@ def openapi_document(server_url: str | None = None) -> dict[str, Any]:
             },
         },
         "components": {
-            "schemas": _schemas(),
+            "schemas": _schemas(classes),
             "securitySchemes": {"tenantKey": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"tenantKey": []}, {}],

@@ -397,15 +397,16 @@ class Pipeline:
         )
         m.routing_time.labels(pool.name).observe((ctx.t_routed - ctx.t_route) / 1e9)
         m.decisions.labels(pool.name, decision.policy, decision.reason).inc()
+        # kept as a tuple; turned into JSON only when someone looks (/debug/decisions, /dashboard)
         self.gw.recent.append(
-            {
-                "t": time.time(),
-                "request_id": routed.request_id,
-                "pool": pool.name,
-                "prompt_tokens": routed.prompt_tokens,
-                "blocks": len(routed.block_hashes),
-                **decision.explain(),
-            }
+            (
+                time.time(),
+                routed.request_id,
+                pool.name,
+                routed.prompt_tokens,
+                len(routed.block_hashes),
+                decision,
+            )
         )
 
     async def finish(self, ctx: Ctx, exc: GatewayError | None) -> None:

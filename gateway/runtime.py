@@ -76,7 +76,9 @@ class Gateway:
         self.pools: dict[str, Pool] = self._build_pools(config, {})
         self.metrics.watch_replicas(self.all_replicas)
         self.metrics.watch_admission(lambda: self.admission)
-        self.recent: deque[dict[str, Any]] = deque(maxlen=200)  # last routing decisions
+        self.recent: deque[tuple[Any, ...]] = deque(
+            maxlen=200
+        )  # last routing decisions, see decisions()
         self.window = RollingWindow()  # recent per-replica latencies and hit rates, for /dashboard
         self.index: PrefixIndex | None = None
         self._session: aiohttp.ClientSession | None = None  # probes, scrapes, /v1/models
@@ -122,6 +124,21 @@ class Gateway:
     @staticmethod
     def _configs_of(pool: Pool | None) -> list[ReplicaConfig]:
         return [ReplicaConfig(url=r.url, name=r.name) for r in pool.replicas] if pool else []
+
+    def decisions(self, last: int = 200) -> list[dict[str, Any]]:
+        """The last routing decisions as JSON-ready dicts, oldest first."""
+        out = []
+        for t, request_id, pool, prompt_tokens, blocks, decision in list(self.recent)[-last:]:
+            d = {
+                "t": t,
+                "request_id": request_id,
+                "pool": pool,
+                "prompt_tokens": prompt_tokens,
+                "blocks": blocks,
+            }
+            d.update(decision.explain())
+            out.append(d)
+        return out
 
     def all_replicas(self) -> list[ReplicaState]:
         return [r for p in self.pools.values() for r in p.replicas]

@@ -102,7 +102,7 @@ def _empty_queue() -> dict[str, Any]:
 
 
 def _decisions(gateway: Gateway) -> list[dict[str, Any]]:
-    return [dict(d) for d in list(gateway.recent)[-DECISIONS:]]
+    return gateway.decisions(DECISIONS)
 
 
 def _num(v: float | None) -> float | None:

@@ -254,8 +254,9 @@ async def test_status_snapshot_reports_state_without_addresses(
         } <= set(d)
         assert sum(p["n"] for p in data["series"]["fleet"]) == 12
         # the snapshot keeps the last 50 decisions only, newest last
+        last = r.gateway.recent[-1]
         for i in range(60):
-            r.gateway.recent.append({"request_id": str(i)})
+            r.gateway.recent.append((last[0], str(i), *last[2:]))
         decisions = snapshot(r.gateway, None)["decisions"]
         assert len(decisions) == 50 and decisions[-1]["request_id"] == "59"
 
