@@ -87,6 +87,19 @@ class ReplicaConfig(_Strict):
     name: str | None = None
     models: tuple[str, ...] = ()
     capacity_blocks: int | None = Field(None, ge=1)
+    kv_events: str | None = None  # the engine's KV event publisher, e.g. tcp://10.0.0.5:5557
+    kv_events_replay: str | None = (
+        None  # its replay socket (vLLM's replay_endpoint), e.g. tcp://10.0.0.5:5558
+    )
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _zmq_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            parts = urlsplit(v)
+            if parts.scheme not in ("tcp", "ipc") or (parts.scheme == "tcp" and not parts.port):
+                raise ValueError("not a ZMQ endpoint like tcp://host:port")
+        return v
 
     @field_validator("url")
     @classmethod
@@ -181,6 +194,9 @@ class ChunkingConfig(_Strict):
     block_bytes: int = Field(64, ge=8)
     tokenizer: str | None = None
     block_size: int = Field(16, ge=1)
+    chat_template: Literal["canonical", "chatml"] = (
+        "canonical"  # how chat messages become one prompt
+    )
 
     @model_validator(mode="after")
     def _tokens_need_tokenizer(self) -> ChunkingConfig:
@@ -192,12 +208,31 @@ class ChunkingConfig(_Strict):
         return self
 
 
+class EventsConfig(_Strict):
+    enabled: bool = False
+    routed_ttl_s: float = Field(10.0, gt=0)  # life of a routed-but-not-yet-reported entry
+    parity_interval_s: float = Field(300.0, gt=0)  # how often token parity is checked
+
+
 class IndexConfig(_Strict):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     chunking: ChunkingConfig = ChunkingConfig()
     capacity_blocks: int = Field(200_000, ge=1)
     ttl_s: float | None = Field(600.0, gt=0)
+    events: EventsConfig = EventsConfig()
+
+    @model_validator(mode="after")
+    def _events_need_tokens(self) -> IndexConfig:
+        if self.events.enabled and self.chunking.mode != "tokens":
+            raise ValueError(
+                "events.enabled: KV events require chunking.mode: tokens (the engine reports token ids)"
+            )
+        if self.events.enabled and self.backend != "memory":
+            raise ValueError(
+                "events.enabled: KV events require backend: memory (the redis index keeps no engine-reported entries yet)"
+            )
+        return self
 
 
 class AdmissionConfig(_Strict):

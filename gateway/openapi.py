@@ -37,7 +37,7 @@ def _headers(classes: list[str]) -> list[dict[str, Any]]:
             "description": "Priority class (the tenant must be allowed it). A string `priority` "
             "in the body also names a class when this header is absent; an integer one is vLLM's "
             "own field and passes through.",
-            "schema": {"type": "string", "enum": classes},
+            "schema": {"type": "string", "enum": [*classes, ""]},  # empty: the default
         },
         *_PLAIN_HEADERS,
     ]

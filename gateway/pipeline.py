@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from policies.types import Decision, Outcome, ReplicaView, RoutedRequest
-from prefix_index.chunking import render_chat, scope_key
+from prefix_index.chunking import scope_key
 
 from .errors import GatewayError, NoReplicaAvailable, NotFound, UpstreamError, UpstreamTimeout
 from .openai import Kind, ParsedRequest, parse_body
@@ -182,7 +182,7 @@ class Pipeline:
         salt = req.body.get("cache_salt")
         scope = scope_key(req.model, salt=salt if isinstance(salt, str) else None)
         if req.kind == "chat":
-            text = render_chat(req.messages)
+            text = self.gw.render(req.messages)
             return scope, text, self.gw.chunker.estimate_tokens(text)
         prompt = req.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], list | str):

@@ -65,6 +65,8 @@ class ReplicaState:
     circuit: Circuit
     models: frozenset[str] = frozenset()
     capacity_blocks: int | None = None
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
     stale_after_s: float = 5.0
     draining: bool = False
     inflight: int = 0
@@ -87,6 +89,8 @@ class ReplicaState:
             models=frozenset(rc.models),
             capacity_blocks=rc.capacity_blocks or pool.capacity_blocks,
             stale_after_s=pool.scrape.stale_after_s,
+            kv_events=rc.kv_events,
+            kv_events_replay=rc.kv_events_replay,
         )
 
     # --- what routing reads ---------------------------------------------------------------

@@ -21,11 +21,12 @@ import aiohttp
 
 from policies import Policy, build_policy
 from prefix_index import PrefixIndex, open_index
-from prefix_index.chunking import Chunker, make_chunker
+from prefix_index.chunking import Chunker, make_chunker, render_chat, render_chatml
 
 from .admission import Admission, shed_all
 from .config import Config, PoolConfig, ReplicaConfig
 from .discovery import DiscoveryConfig, DiscoveryError
+from .kv_events import KvEvents, check_parity
 from .ratelimit import RateLimiter, open_rate_limiter
 from .replicas import ReplicaMonitor, ReplicaState
 from .telemetry import Metrics
@@ -55,6 +56,13 @@ class Pool:
         return any(r.available(now) for r in self.replicas)
 
 
+def _chunker(config: Config) -> Chunker:
+    ch = config.index.chunking
+    return make_chunker(
+        ch.mode, block_bytes=ch.block_bytes, tokenizer=ch.tokenizer, block_size=ch.block_size
+    )
+
+
 def _needs_limiter(config: Config) -> bool:
     return any(t.limits.rules() or t.limits.per_model for t in config.tenants)
 
@@ -64,10 +72,12 @@ class Gateway:
         self.config = config
         self.metrics = Metrics()
         self.tracing = tracing if tracing is not None else Tracing(config.tracing)
-        ch = config.index.chunking
-        self.chunker: Chunker = make_chunker(
-            ch.mode, block_bytes=ch.block_bytes, tokenizer=ch.tokenizer, block_size=ch.block_size
+        self.chunker: Chunker = _chunker(config)
+        self.render = (
+            render_chatml if config.index.chunking.chat_template == "chatml" else render_chat
         )
+        self.kv_events: KvEvents | None = None
+        self.parity: dict[str, int] = {}  # replica -> 1 same token ids, 0 different, -1 unknown
         self.tenants = TenantDirectory(config.auth, config.tenants, config.priority_classes)
         self.admission = Admission(
             config.priority_classes, shed_status=config.admission.shed_status
@@ -81,11 +91,13 @@ class Gateway:
         )  # last routing decisions, see decisions()
         self.window = RollingWindow()  # recent per-replica latencies and hit rates, for /dashboard
         self.index: PrefixIndex | None = None
+        self.metrics.watch_index(lambda: (self.index, self.kv_events, self.parity))
         self._session: aiohttp.ClientSession | None = None  # probes, scrapes, /v1/models
         self._upstream: UpstreamPool | None = None  # the request path
         self._monitors: dict[int, ReplicaMonitor] = {}  # id(ReplicaState) -> its monitor
         self._discovery: dict[str, tuple[Any, asyncio.Task[None]]] = {}  # pool -> (config, watcher)
-        self._retiring: set[asyncio.Task[None]] = set()
+        self._retiring: set[asyncio.Task[Any]] = set()
+        self._parity_task: asyncio.Task[None] | None = None
 
     # --- building ------------------------------------------------------------------------------
     def _build_pools(self, config: Config, old: dict[str, Pool]) -> dict[str, Pool]:
@@ -165,8 +177,63 @@ class Gateway:
             timeout=aiohttp.ClientTimeout(total=None, connect=connect_s)
         )
         self._upstream = UpstreamPool(connect_s)
+        if self.config.index.events.enabled:
+            self.kv_events = KvEvents()
         self._sync_monitors()
         self._sync_discovery()
+        if self.config.index.chunking.mode == "tokens":
+            self._parity_task = asyncio.create_task(self._parity_loop(), name="token-parity")
+
+    async def _parity_loop(self) -> None:
+        """Token parity, at start and then periodically: a mismatch means precise routing would
+        silently never hit, so fall back to bytes mode, loudly."""
+        while True:
+            encode = getattr(self.chunker, "encode", None)
+            if encode is None:  # already fell back
+                return
+            for r in self.all_replicas():
+                model = await self.served_model(r)
+                same = await check_parity(self.session, r.url, model, encode)
+                self.parity[r.name] = -1 if same is None else int(same)
+                if same is False:
+                    log.error(
+                        "TOKEN PARITY FAILED: replica %s tokenizes differently from "
+                        "index.chunking.tokenizer; falling back to bytes mode (prefix routing "
+                        "keeps working from routing decisions; KV events are ignored)",
+                        r.name,
+                    )
+                    self.fall_back_to_bytes()
+                    return
+            await asyncio.sleep(self.config.index.events.parity_interval_s)
+
+    def fall_back_to_bytes(self) -> None:
+        self.chunker = make_chunker("bytes", block_bytes=self.config.index.chunking.block_bytes)
+        self.render = render_chat
+        if self.kv_events is not None:
+            events, self.kv_events = self.kv_events, None
+            for name in list(events.subscribers):
+                set_precise = getattr(self.index, "set_precise", None)
+                if set_precise is not None:
+                    set_precise(name, False)
+            task = asyncio.create_task(events.aclose())
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def served_model(self, r: ReplicaState) -> str | None:
+        """The model a replica serves: from config, else its /v1/models (first card)."""
+        if r.models:
+            return sorted(r.models)[0]
+        try:
+            async with self.session.get(
+                r.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)
+            ) as res:
+                data = await res.json() if res.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        cards = data.get("data") if isinstance(data, dict) else None
+        if cards and isinstance(cards[0], dict) and isinstance(cards[0].get("id"), str):
+            return str(cards[0]["id"])
+        return None
 
     def _sync_discovery(self) -> None:
         """One watcher per pool that uses discovery; restarted when its settings change."""
@@ -194,10 +261,18 @@ class Gateway:
     def _open_index(config: Config) -> PrefixIndex:
         ic = config.index
         return open_index(
-            ic.backend, redis_url=ic.redis_url, capacity_blocks=ic.capacity_blocks, ttl_s=ic.ttl_s
+            ic.backend,
+            redis_url=ic.redis_url,
+            capacity_blocks=ic.capacity_blocks,
+            ttl_s=ic.ttl_s,
+            routed_ttl_s=ic.events.routed_ttl_s,
         )
 
     async def stop(self) -> None:
+        if self._parity_task is not None:
+            self._parity_task.cancel()
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
         for _, task in self._discovery.values():
             task.cancel()
         await asyncio.gather(*(t for _, t in self._discovery.values()), return_exceptions=True)
@@ -230,6 +305,20 @@ class Gateway:
                 m = ReplicaMonitor(r, self.session, pool.config.health, pool.config.scrape)
                 m.start()
                 self._monitors[id(r)] = m
+                if self.kv_events is not None and r.kv_events:
+                    self._track(self._subscribe(r))
+
+    async def _subscribe(self, r: ReplicaState) -> None:
+        if self.kv_events is not None and r.kv_events:
+            model = await self.served_model(r)
+            self.kv_events.add(
+                r.name, r.kv_events, r.kv_events_replay, self.index, self.chunker, model
+            )
+
+    def _track(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     def _retire(self, gone: Iterable[ReplicaState], grace_s: float) -> None:
         """Stop routing to replicas that left: in-flight requests finish, then the index forgets them."""
@@ -251,6 +340,8 @@ class Gateway:
                 grace_s,
             )
         live = {x.name for x in self.all_replicas()}
+        if self.kv_events is not None and r.name not in live:
+            await self.kv_events.remove(r.name)
         if self.index is not None and r.name not in live:  # a replica of that name may be back
             await self.index.forget(r.name)
         log.info("replica %s removed (pool %s)", r.name, r.pool)

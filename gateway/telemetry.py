@@ -198,6 +198,74 @@ class Metrics:
     def watch_admission(self, admission: Callable[[], Admission]) -> None:
         self.registry.register(_AdmissionCollector(admission))
 
+    def watch_index(self, state: Callable[[], tuple[Any, Any, dict[str, int]]]) -> None:
+        """`state()` gives (index, kv_events or None, token parity by replica)."""
+        self.registry.register(_IndexCollector(state))
+
+
+class _IndexCollector(Collector):
+    _COUNTERS = (
+        ("received", "gateway_kv_events_received", "KV event batches received from the replica."),
+        ("applied", "gateway_kv_events_applied", "KV event batches applied to the index."),
+        ("dropped", "gateway_kv_events_dropped", "KV event batches that could not be decoded."),
+        ("gaps", "gateway_kv_events_gaps", "Sequence gaps seen (lost batches)."),
+        ("replays", "gateway_kv_events_replays", "Replays asked of the replica's replay socket."),
+        (
+            "forgets",
+            "gateway_kv_events_forgets",
+            "Times the replica's blocks were forgotten (restart, unfillable gap, cleared).",
+        ),
+    )
+
+    def __init__(self, state: Callable[[], tuple[Any, Any, dict[str, int]]]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        index, events, parity = self._state()
+        stats_now = getattr(index, "stats_now", None)
+        if stats_now is not None:
+            st = stats_now()
+            blocks = GaugeMetricFamily(
+                "gateway_index_blocks",
+                "Blocks the prefix index holds per replica, by source (routed: learned from routing; engine: reported by KV events).",
+                labels=["replica", "source"],
+            )
+            for replica, n in st.blocks_per_replica.items():
+                blocks.add_metric([replica, "routed"], n)
+            for replica, n in getattr(st, "engine_blocks_per_replica", {}).items():
+                blocks.add_metric([replica, "engine"], n)
+            yield blocks
+            yield GaugeMetricFamily(
+                "gateway_index_bytes",
+                "Memory the prefix index takes (estimate).",
+                value=st.bytes_estimate,
+            )
+        par = GaugeMetricFamily(
+            "gateway_token_parity",
+            "1 when the replica tokenizes a probe exactly as the gateway (tokens mode), 0 when not, -1 unknown.",
+            labels=["replica"],
+        )
+        for replica, v in parity.items():
+            par.add_metric([replica], v)
+        yield par
+        if events is None:
+            return
+        subs = list(events.subscribers.values())
+        for attr, name, doc in self._COUNTERS:
+            fam = CounterMetricFamily(name, doc, labels=["replica"])
+            for sub in subs:
+                fam.add_metric([sub.replica], getattr(sub.stats, attr))
+            yield fam
+        unknown = CounterMetricFamily(
+            "gateway_kv_events_unplaced_blocks",
+            "Stored blocks the gateway could not place (unknown parent, LoRA without a name, salts).",
+            labels=["replica"],
+        )
+        for sub in subs:
+            c = sub.applier.counts
+            unknown.add_metric([sub.replica], c.unknown_parent + c.unscoped)
+        yield unknown
+
 
 class _AdmissionCollector(Collector):
     def __init__(self, admission: Callable[[], Admission]) -> None:

@@ -111,3 +111,22 @@ def _canonical(value: Any) -> str:
 def digest(value: Any) -> str:
     """A stable 128-bit digest (32 hex digits) of a JSON-like value, keys sorted."""
     return xxhash.xxh3_128_hexdigest(orjson.dumps(value, option=_JSON_OPTS, default=str))
+
+
+def render_chatml(messages: Sequence[Mapping[str, Any]]) -> str:
+    """Messages as the ChatML template renders them (Qwen's and the simulator's format), so that in
+    tokens mode a chat prompt tokenizes to the ids the engine prefills: `<|im_start|>role\\n
+    content<|im_end|>\\n` per message, then `<|im_start|>assistant\\n`. Text parts of a list content
+    are joined by newlines; `developer` renders as `system`."""
+    out = []
+    for m in messages:
+        role = str(m.get("role", "user"))
+        role = "system" if role == "developer" else role
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "\n".join(
+                str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type") == "text"
+            )
+        out.append(f"<|im_start|>{role}\n{content or ''}<|im_end|>\n")
+    out.append("<|im_start|>assistant\n")
+    return "".join(out)

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import xxhash
 
-from prefix_index.chat import render_chat
+from prefix_index.chat import render_chat, render_chatml
 from prefix_index.constants import DEFAULT_BLOCK_BYTES, DEFAULT_BLOCK_SIZE
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "ChainHasher",
     "make_chunker",
     "render_chat",
+    "render_chatml",
     "scope_key",
 ]
 

@@ -19,11 +19,11 @@ from simulator.perf_model import PerfModel
 from simulator.profiles import GpuProfile, ModelProfile, get_gpu, get_model
 from simulator.replica import Replica
 from simulator.results import RequestRecord, RunResult
-from simulator.tokenizer import ByteTokenizer, Tokenizer
+from simulator.tokenizer import ByteTokenizer, Tokenizer, TokenizerJson
 
 __all__ = [
     "ByteTokenizer", "Cluster", "Engine", "EngineConfig", "Fault", "Fleet", "GpuProfile",
     "ModelProfile", "OutputLengths", "PerfModel", "Replica", "ReplicaLoad", "RequestRecord",
-    "Router", "RunResult", "SimRequest", "Tokenizer", "build_config", "chat_requests",
-    "get_gpu", "get_model", "run",
+    "Router", "RunResult", "SimRequest", "Tokenizer", "TokenizerJson", "build_config",
+    "chat_requests", "get_gpu", "get_model", "run",
 ]

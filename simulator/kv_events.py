@@ -21,6 +21,7 @@ from simulator.kv_cache import PrefixCache
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+PUB_HWM = 100_000  # vLLM's `hwm`: batches queued per subscriber before PUB drops them
 
 
 def encode_event(event: tuple[Any, ...], encoding: str, block_size: int) -> Any:
@@ -97,13 +98,18 @@ class KvEventPublisher:
 
     async def start(self) -> None:
         ctx = self._ctx = zmq.Context()
-        pub = self._pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        self.port = _bind(pub, self.host, self.port)
-        router = self._router = zmq.asyncio.Context.shadow(ctx).socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.SNDHWM, 2 * (self.options.buffer_steps + 1))  # a whole replay
-        self.replay_port = _bind(router, self.host, self.replay_port)
+        try:
+            pub = self._pub = ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+            self.port = _bind(pub, self.host, self.port)
+            router = self._router = zmq.asyncio.Context.shadow(ctx).socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.SNDHWM, 2 * (self.options.buffer_steps + 1))  # whole replays
+            self.replay_port = _bind(router, self.host, self.replay_port)
+        except zmq.ZMQError as exc:
+            await self.stop()
+            raise OSError(f"cannot publish KV events on {self.host}: {exc}") from exc
         self.cache.events = []
         self._task = asyncio.get_running_loop().create_task(
             self._serve_replay(), name=f"kv-replay-{self.replay_port}")

@@ -48,9 +48,12 @@ class GatewayProc:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def raw(self, data: bytes, *, read_s: float = 5.0, shut: bool = True) -> bytes:
-        """Send raw bytes on a fresh connection; everything the gateway answers until it closes
-        (or `read_s` passes with nothing more)."""
+    def raw(
+        self, data: bytes, *, read_s: float = 5.0, shut: bool = False, until_close: bool = False
+    ) -> bytes:
+        """Send raw bytes on a fresh connection; return what the gateway answers: its first whole
+        response, or with `until_close` everything until it closes (or `read_s` of silence).
+        `shut` half-closes after sending (uvicorn takes that as the client leaving)."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=read_s) as s:
             try:
                 s.sendall(data)
@@ -62,7 +65,7 @@ class GatewayProc:
             try:
                 while chunk := s.recv(65536):
                     out += chunk
-                    if _complete(out):
+                    if not until_close and _complete(out):
                         break
             except (TimeoutError, ConnectionResetError):
                 pass
@@ -77,6 +80,8 @@ def _complete(resp: bytes) -> bool:
         k, _, v = line.partition(b":")
         if k.strip().lower() == b"content-length":
             return len(body) >= int(v)
+        if k.strip().lower() == b"transfer-encoding":
+            return body.endswith(b"0\r\n\r\n")
     return False
 
 

@@ -73,8 +73,8 @@ def test_public_surface() -> None:
     assert set(simulator.__all__) == {
         "ByteTokenizer", "Cluster", "Engine", "EngineConfig", "Fault", "Fleet", "GpuProfile",
         "ModelProfile", "OutputLengths", "PerfModel", "Replica", "ReplicaLoad", "RequestRecord",
-        "Router", "RunResult", "SimRequest", "Tokenizer", "build_config", "chat_requests",
-        "get_gpu", "get_model", "run"}
+        "Router", "RunResult", "SimRequest", "Tokenizer", "TokenizerJson", "build_config",
+        "chat_requests", "get_gpu", "get_model", "run"}
     for name in simulator.__all__:
         assert getattr(simulator, name) is not None
 

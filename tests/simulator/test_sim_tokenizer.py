@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from simulator import ByteTokenizer, Engine, build_config
+from pathlib import Path
+
+import httpx
+import pytest
+
+from simulator import ByteTokenizer, Engine, Fleet, build_config
+from simulator.tokenizer import TokenizerJson
 
 
 def test_same_text_same_tokens_four_bytes_each() -> None:
@@ -57,3 +63,25 @@ def test_a_generated_reply_tokenizes_back_to_the_generated_ids() -> None:
     ]
     ids = tok.encode(tok.render_chat(history))
     assert ids[: seq.num_tokens] == seq.prompt + seq.output  # the next turn extends this one
+
+
+async def test_a_local_tokenizer_json_serves_tokenize_chat_and_replies(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    from tests.simulator.tiny_tokenizer import train_tokenizer
+
+    path = train_tokenizer(tmp_path / "tokenizer.json")
+    tok = TokenizerJson(path)
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>")[0] == 1  # a special token, one id
+    assert all(tok.decode_filler(i) for i in tok.filler_ids)
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    async with Fleet(n=1, speedup=1000.0, tokenizer=path) as fleet:
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            r = await http.post(fleet.urls[0] + "/tokenize", json={"messages": messages})
+            assert r.json()["tokens"] == tok.encode(tok.render_chat(messages))
+            r = await http.post(fleet.urls[0] + "/v1/chat/completions",
+                                json={"messages": messages, "max_tokens": 5})  # fmt: skip
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == len(tok.encode(tok.render_chat(messages)))
+    assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["message"]["content"]
+    with pytest.raises(FileNotFoundError):
+        TokenizerJson(tmp_path / "missing.json")
