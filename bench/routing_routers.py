@@ -8,6 +8,8 @@ them all; a later variant (e.g. an index fed by KV events) is one more entry the
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +19,7 @@ from gateway.replicas import ReplicaState
 from gateway.scrape import LoadSample
 from policies import Outcome, RoutedRequest, build_policy
 from policies.registry import DEFAULT_POLICY
-from prefix_index.chunking import Chunker, make_chunker, render_chat, scope_key
+from prefix_index.chunking import Chunker, make_chunker, render_chat, render_chatml, scope_key
 from prefix_index.memory import MemoryIndex
 from simulator.des import Cluster, ReplicaLoad, SimRequest
 from simulator.sequence import Status
@@ -26,18 +28,30 @@ MODEL = "bench-model"
 POOL = "bench"
 
 
-def gateway_config(n_replicas: int, policy: str | dict[str, Any],
-                   capacity_blocks: int | None) -> Config:
+def gateway_config(
+    n_replicas: int, policy: str | dict[str, Any], capacity_blocks: int | None = None
+) -> Config:
     """The config a gateway in front of this cluster would load: defaults, plus the pool's KV
-    size (`capacity_blocks`, in index blocks) as an operator reads it off cache_config_info."""
+    size (`capacity_blocks`, in index blocks) when given."""
     pool: dict[str, Any] = {
-        "replicas": [{"url": f"http://10.0.0.{i + 1}:8000", "name": f"r{i}"}
-                     for i in range(n_replicas)],
+        "replicas": [
+            {"url": f"http://10.0.0.{i + 1}:8000", "name": f"r{i}"} for i in range(n_replicas)
+        ],
         "policy": policy,
     }
     if capacity_blocks is not None:
         pool["capacity_blocks"] = capacity_blocks
     return parse_config({"pools": {POOL: pool}})
+
+
+def _as_u32(tokens: Sequence[int]) -> Sequence[int]:
+    """array("q") token ids as array("I") with one C-level copy (ids are < 2**32), so the
+    chunker's own conversion to u32 bytes is a memcpy instead of a loop; same ids, same hashes."""
+    if isinstance(tokens, array) and tokens.typecode == "q" and sys.byteorder == "little":
+        out = array("I")
+        out.frombytes(memoryview(tokens).cast("B").cast("I")[::2].tobytes())
+        return out
+    return tokens
 
 
 @dataclass(slots=True)
@@ -69,17 +83,28 @@ class GatewayRouter:
     counted in `overflow`.
     """
 
-    def __init__(self, policy: str | dict[str, Any], n_replicas: int, *, seed: int = 0,
-                 capacity_blocks: int | None = None, label: str | None = None) -> None:
-        cfg = gateway_config(n_replicas, policy, capacity_blocks)
+    def __init__(
+        self,
+        policy: str | dict[str, Any],
+        n_replicas: int,
+        *,
+        seed: int = 0,
+        kv_tokens: int | None = None,
+        label: str | None = None,
+    ) -> None:
+        ch = gateway_config(1, "round_robin").index.chunking
+        self.chunker: Chunker = make_chunker(
+            ch.mode, block_bytes=ch.block_bytes, tokenizer=ch.tokenizer, block_size=ch.block_size
+        )
+        self.render = render_chatml if ch.chat_template == "chatml" else render_chat
+        # the pool's capacity_blocks: each replica's KV size in index blocks, as an operator
+        # reads it off vllm:cache_config_info (None: the index's default per replica)
+        capacity = None if kv_tokens is None else int(kv_tokens // self.chunker.tokens_per_block)
+        cfg = gateway_config(n_replicas, policy, capacity)
         pc = cfg.pools[POOL]
-        ch = cfg.index.chunking
         self.name = label or (policy if isinstance(policy, str) else "custom")
-        self.chunker: Chunker = make_chunker(ch.mode, block_bytes=ch.block_bytes,
-                                             tokenizer=ch.tokenizer, block_size=ch.block_size)
         self.now = 0.0
-        self.index = MemoryIndex(cfg.index.capacity_blocks, cfg.index.ttl_s,
-                                 clock=lambda: self.now)
+        self.index = MemoryIndex(cfg.index.capacity_blocks, cfg.index.ttl_s, clock=lambda: self.now)
         self.replicas = [ReplicaState.from_config(POOL, pc, rc) for rc in pc.replicas]
         for r in self.replicas:
             if r.capacity_blocks:
@@ -97,27 +122,39 @@ class GatewayRouter:
         for load in view:
             r = self.replicas[load.index]
             if r.load is None or r.scraped_at != load.scraped_at_s:
-                r.load = LoadSample(waiting=load.waiting, running=load.running,
-                                    kv_usage=load.kv_usage)
+                r.load = LoadSample(
+                    waiting=load.waiting, running=load.running, kv_usage=load.kv_usage
+                )
                 r.scraped_at = load.scraped_at_s
 
     def _prompt(self, req: SimRequest) -> tuple[list[int], int]:
+        """`Pipeline.prompt_of` + `hash_prompt`: no hashes when the policy ignores them."""
         item = req.meta.get("item")
         chunker = self.chunker
+        needs = self.policy.needs_prefix
         if item is not None:  # a chat request: what the gateway sees is text
-            text = render_chat(item.messages)
-            return chunker.hash_text(self.scope, text), chunker.estimate_tokens(text)
+            text = self.render(item.messages)
+            hashes = chunker.hash_text(self.scope, text) if needs else []
+            return hashes, chunker.estimate_tokens(text)
         tokens = req.prompt_tokens
-        return chunker.hash_tokens(self.scope, tokens), len(tokens)
+        return (chunker.hash_tokens(self.scope, _as_u32(tokens)) if needs else []), len(tokens)
 
     def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
         now = self.now = req.arrival_s
         self._scraped(view)
         hashes, n_tokens = self._prompt(req)
         session = req.meta.get("session")
-        routed = RoutedRequest(req.id, MODEL, self.scope, POOL, n_tokens, hashes,
-                               self.chunker.tokens_per_block, max_tokens=req.max_tokens,
-                               session_key=session)
+        routed = RoutedRequest(
+            req.id,
+            MODEL,
+            self.scope,
+            POOL,
+            n_tokens,
+            hashes,
+            self.chunker.tokens_per_block,
+            max_tokens=req.max_tokens,
+            session_key=session,
+        )
         hits = self.index.match_now(self.scope, hashes, self.names) if hashes else {}
         views = [r.view(hits.get(r.name, 0), now) for r in self.replicas]
         decision = self.policy.choose(routed, views)
@@ -134,8 +171,9 @@ class GatewayRouter:
         hit = min(n_tokens, int(v.hit_blocks * routed.tokens_per_block))
         replica = self.replicas[i]
         replica.dispatched(n_tokens - hit)
-        self.pending[req.id] = _Dispatch(replica, routed, hit, n_tokens - hit, v.load,
-                                         v.inflight_prompt_tokens)
+        self.pending[req.id] = _Dispatch(
+            replica, routed, hit, n_tokens - hit, v.load, v.inflight_prompt_tokens
+        )
         return i
 
     def on_first_token(self, req: SimRequest, replica: int, t: float) -> None:
@@ -153,8 +191,18 @@ class GatewayRouter:
         ttft = record.first_token_s - record.arrival_s
         d.replica.succeeded()
         d.replica.observe_ttft(ttft)
-        self.policy.observe(Outcome(d.replica.name, d.routed.prompt_tokens, d.hit_tokens, d.load,
-                                    d.queued, ttft, ok=True, session_key=d.routed.session_key))
+        self.policy.observe(
+            Outcome(
+                d.replica.name,
+                d.routed.prompt_tokens,
+                d.hit_tokens,
+                d.load,
+                d.queued,
+                ttft,
+                ok=True,
+                session_key=d.routed.session_key,
+            )
+        )
         if not d.prefilled:  # the gateway's `done()` releases the prefill count too
             d.prefilled = True
             d.replica.prefilled(d.uncached)
@@ -217,24 +265,29 @@ class Clairvoyant:
 
 @dataclass(frozen=True, slots=True)
 class RouterVariant:
-    """A named router: `build(cluster, seed, capacity_blocks)` makes a fresh one per run."""
+    """A named router: `build(cluster, seed)` makes a fresh one for each run."""
 
     name: str
-    build: Callable[[Cluster, int, int | None], Any]
+    build: Callable[[Cluster, int], Any]
     reference: bool = False  # a yardstick, not a candidate for the default
 
 
+def _kv_tokens(cluster: Cluster) -> int:
+    return cluster.config.num_blocks * cluster.config.block_size
+
+
 def _gateway(policy: str) -> RouterVariant:
-    return RouterVariant(policy, lambda c, seed, cap: GatewayRouter(
-        policy, len(c.engines), seed=seed, capacity_blocks=cap))
+    return RouterVariant(
+        policy,
+        lambda c, seed: GatewayRouter(policy, len(c.engines), seed=seed, kv_tokens=_kv_tokens(c)),
+    )
 
 
 BASELINES = ("round_robin", "least_loaded")
 CANDIDATES = ("prefix_aware", "ttft", "cost_blocks", "sticky", "sglang_cache_aware")
 ROUTERS: dict[str, RouterVariant] = {
     **{p: _gateway(p) for p in (*BASELINES, *CANDIDATES)},
-    "clairvoyant": RouterVariant("clairvoyant", lambda c, seed, cap: Clairvoyant(c),
-                                 reference=True),
+    "clairvoyant": RouterVariant("clairvoyant", lambda c, seed: Clairvoyant(c), reference=True),
 }
 DEFAULT_ROUTERS = (*BASELINES, *CANDIDATES, "clairvoyant")
 GATEWAY_DEFAULT = DEFAULT_POLICY

@@ -216,7 +216,9 @@ class SoakResult:
         out = []
         if self.rss_growth > max_growth:
             out.append(f"RSS grew {self.rss_growth:+.1%} after the warm-up (> {max_growth:.0%})")
-        if self.end.fds > self.warm.fds:
+        # idle keep-alive connections to the upstream stay pooled: at most one per concurrent
+        # client, so that many may differ between two idle moments; a leak grows with requests
+        if self.end.fds > self.warm.fds + self.concurrency:
             out.append(
                 f"open fds at idle: {self.warm.fds} after the warm-up, {self.end.fds} at the end"
             )

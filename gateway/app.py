@@ -200,8 +200,12 @@ def create_app(
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow")
             return _error(
-                MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}")
+                MethodNotAllowed(
+                    f"Method {request.method} is not allowed on {request.url.path}",
+                    headers={"allow": allow} if allow else None,
+                )
             )
         if exc.status_code == 404:
             return _error(NotFound(f"Unknown path {request.url.path}", code="unknown_url"))
@@ -237,5 +241,6 @@ def create_app(
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
     )
+    rest.router.redirect_slashes = False  # a redirect would echo the client's Host header
     rest.state.gateway = gateway
     return GatewayApp(gateway, rest)

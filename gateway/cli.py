@@ -97,6 +97,7 @@ def serve(
     import uvicorn
 
     from .app import create_app
+    from .http_protocol import GuardedHttpToolsProtocol
     from .logs import setup_logging
 
     setup_logging(config.server.log_level, config.server.log_format)
@@ -104,12 +105,12 @@ def serve(
         host=config.server.host,
         port=config.server.port,
         loop="uvloop",
-        http="httptools",
+        http=GuardedHttpToolsProtocol,
         lifespan="on",
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(config.server.graceful_shutdown_s),
-        h11_max_incomplete_event_size=64 * 1024,
+        limit_concurrency=config.server.max_connections,
     )
     if workers > 1:
         assert config_path is not None

@@ -51,6 +51,8 @@ class ServerConfig(_Strict):
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     graceful_shutdown_s: float = Field(30.0, ge=0)
+    body_timeout_s: float = Field(30.0, gt=0)  # longest wait for the next piece of a request body
+    max_connections: int | None = Field(None, ge=1)  # beyond it new requests get 503 at once
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
     expose_upstream_errors: bool = True

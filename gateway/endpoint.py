@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from .errors import BadRequest, GatewayError, PayloadTooLarge, error_body
+from .errors import BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_body
 from .openai import Kind
 from .pipeline import Ctx, Pipeline
 
@@ -30,7 +30,7 @@ class ClientGone(Exception):
     """The client disconnected before its request body was read."""
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float = 30.0) -> bytes:
     """The whole request body, refusing (413) as soon as it passes `limit`; never buffered past it.
 
     A body that overshoots by at most DRAIN_BYTES is read on and dropped before the 413 goes out, so
@@ -50,7 +50,11 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     parts: list[bytes] = []
     size = 0
     while True:
-        msg = await receive()
+        try:
+            async with asyncio.timeout(timeout_s):  # a client that stops sending is let go
+                msg = await receive()
+        except TimeoutError:
+            raise RequestTimeout(f"No request body data for {timeout_s:g} s") from None
         if msg["type"] == "http.disconnect":
             raise ClientGone
         chunk = msg.get("body", b"")
@@ -100,7 +104,8 @@ class ProxyEndpoint:
         if tracing.enabled:
             ctx.trace = tracing.start(headers, time.time_ns())
         try:
-            raw = await read_body(scope, receive, pipeline.gw.config.server.max_body_bytes)
+            server = pipeline.gw.config.server
+            raw = await read_body(scope, receive, server.max_body_bytes, server.body_timeout_s)
         except ClientGone:
             ctx.outcome = "client_disconnected"
             await pipeline.finish(ctx, None)

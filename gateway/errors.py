@@ -6,6 +6,7 @@
     ├── Forbidden                     403 permission_error
     ├── NotFound                      404 not_found_error (unknown model / path)
     ├── MethodNotAllowed              405 invalid_request_error
+    ├── RequestTimeout                408 invalid_request_error (the body stopped arriving)
     ├── PayloadTooLarge               413 invalid_request_error
     ├── RateLimited                   429 rate_limit_error        (Retry-After)
     ├── Shed                          429 | 503 overloaded_error  (Retry-After)
@@ -78,6 +79,12 @@ class MethodNotAllowed(GatewayError):
     status = 405
     type = "invalid_request_error"
     code = "method_not_allowed"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class PayloadTooLarge(GatewayError):

@@ -128,7 +128,10 @@ class Pipeline:
             first = _Attempt.start(
                 pool, decision.ranked[0], views, routed
             )  # counted before the next head goes
-        if headers.get(b"x-gateway-explain") in (b"1", b"true"):
+        if gw.config.server.expose_upstream_errors and headers.get(b"x-gateway-explain") in (
+            b"1",
+            b"true",
+        ):
             extra.append((b"x-gateway-decision", orjson.dumps(decision.explain())))
         body = self.upstream_body(req, ctx.priority)
         await self.forward(req, routed, pool, decision, views, first, body, send, extra, ctx)
@@ -278,6 +281,9 @@ class Pipeline:
                 up_headers.append((b"tracestate", state.encode()))
         failures: list[str] = []
         timed_out = False
+        deadline = (
+            time.monotonic() + pc.timeouts.total_s
+        )  # total_s bounds the whole request, retries included
         attempt: _Attempt | None = first
         candidates = iter(decision.ranked[1 : pc.retries + 1])
         while attempt is not None:
@@ -286,7 +292,11 @@ class Pipeline:
             ctx.tried.append(name)
             t_sent = time.perf_counter_ns()
             ctx.t_sent = ctx.t_sent or t_sent
+            left = deadline - time.monotonic()
             try:
+                if left <= 0:
+                    timed_out = True
+                    break
                 try:
                     opened = await open_upstream(
                         self.gw.upstream,
@@ -296,6 +306,7 @@ class Pipeline:
                         up_headers,
                         pc.timeouts,
                         req.stream,
+                        left,
                     )
                 except Retryable as exc:
                     replica.failed(exc.reason)
@@ -335,7 +346,9 @@ class Pipeline:
         detail = "; ".join(failures) if self.gw.config.server.expose_upstream_errors else ""
         n = len(failures)
         if timed_out:
-            raise UpstreamTimeout(f"All {n} attempted replicas timed out. {detail}".strip())
+            raise UpstreamTimeout(
+                f"No replica answered within {pc.timeouts.total_s:g} s ({n} attempts). {detail}".strip()
+            )
         raise UpstreamError(f"All {n} attempted replicas failed. {detail}".strip())
 
     async def deliver(
@@ -376,7 +389,8 @@ class Pipeline:
             ctx.t_last = time.perf_counter_ns()
             if index is not None and routed.block_hashes:
                 await index.record(routed.scope, ctx.replica, routed.block_hashes)
-            usage = _usage_of(opened.first)
+            usage = opened.parsed.get("usage") if opened.parsed is not None else None
+            usage = usage if isinstance(usage, dict) else None
         if usage is not None:
             ctx.input_tokens = _int(usage.get("prompt_tokens"))
             ctx.output_tokens = _int(usage.get("completion_tokens"))
@@ -558,15 +572,6 @@ def _attempt_outcome(exc: Retryable) -> str:
     if exc.reason.startswith("timeout"):
         return "timeout"
     return "connect_error" if exc.reason.startswith("connection") else "closed_early"
-
-
-def _usage_of(body: bytes) -> dict[str, Any] | None:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    usage = data.get("usage") if isinstance(data, dict) else None
-    return usage if isinstance(usage, dict) else None
 
 
 def _int(v: Any) -> int | None:

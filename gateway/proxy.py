@@ -40,6 +40,7 @@ class Retryable(Exception):
 class Opened:
     resp: UpstreamResponse
     first: bytes  # the first body bytes (the whole body when not streaming)
+    parsed: dict[str, Any] | None = None  # a non-streamed 200 answer, parsed once (usage)
 
     @property
     def status(self) -> int:
@@ -54,6 +55,7 @@ async def open_upstream(
     headers: Headers,
     timeouts: TimeoutsConfig,
     stream: bool,
+    total_s: float,
 ) -> Opened:
     """Send the request and wait for its first body bytes (all of them when not streaming).
 
@@ -68,21 +70,26 @@ async def open_upstream(
             path,
             headers,
             body,
-            first_byte_timeout_s=timeouts.first_byte_s if stream else timeouts.total_s,
+            first_byte_timeout_s=min(timeouts.first_byte_s, total_s) if stream else total_s,
             idle_timeout_s=timeouts.idle_s,
-            total_timeout_s=timeouts.total_s,
+            total_timeout_s=total_s,
         )
         if resp.status in RETRYABLE_STATUS:
             resp.abort()
             raise Retryable(f"upstream status {resp.status}", resp.status)
         if stream and resp.status == 200:
             # engines send stream headers at once; the first chunk comes after the prefill
-            async with asyncio.timeout(timeouts.first_byte_s):
+            async with asyncio.timeout(min(timeouts.first_byte_s, total_s)):
                 first = await resp.read_chunk()
             if not first:
                 raise Retryable("upstream closed before the first byte")
         else:
             first = await resp.read_all(MAX_RESPONSE_BYTES)
+            if resp.status == 200:
+                parsed = _json_object(first)
+                if parsed is None:
+                    raise Retryable("the replica's answer is not a JSON object")
+                return Opened(resp, first, parsed)
     except Retryable:
         raise
     except TimeoutError:
@@ -100,6 +107,14 @@ async def open_upstream(
             resp.abort()
         raise
     return Opened(resp, first)
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def response_headers(resp: UpstreamResponse, extra: Headers) -> Headers:
@@ -148,6 +163,9 @@ async def relay_stream(
         broke = UpstreamTimeout("The upstream replica stopped sending mid-stream (timeout)")
     except UpstreamBrokenError as exc:
         broke = UpstreamError(f"The upstream replica failed mid-stream ({exc})")
+    else:
+        if not tap.done:  # ended cleanly at the HTTP level, but not as an SSE stream ends
+            broke = UpstreamError("The upstream replica ended the stream without [DONE]")
     rest = tap.flush()
     if broke is not None:
         resp.abort()
@@ -204,10 +222,9 @@ def normalize_error_body(status: int, body: bytes, expose: bool) -> bytes:
             err = inner
         elif isinstance(data.get("message"), str):
             err = data
-    if err is not None:
-        message = err["message"] if expose else f"The upstream replica answered {status}"
+    if err is not None and expose:
         out = {
-            "message": message,
+            "message": err["message"],
             "type": err.get("type") if isinstance(err.get("type"), str) else "upstream_error",
             "param": err.get("param") if isinstance(err.get("param"), str) else None,
             "code": err.get("code") if isinstance(err.get("code"), str | int) else status,

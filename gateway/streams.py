@@ -12,10 +12,11 @@ from typing import Any
 import orjson
 
 _USAGE = b'"usage"'
+_DONE = b"data: [DONE]\n\n"
 
 
 class StreamTap:
-    __slots__ = ("strip_usage", "first_ns", "last_ns", "events", "usage", "_pending")
+    __slots__ = ("strip_usage", "first_ns", "last_ns", "events", "usage", "done", "_pending")
 
     def __init__(self, strip_usage: bool) -> None:
         self.strip_usage = strip_usage
@@ -23,6 +24,7 @@ class StreamTap:
         self.last_ns = 0
         self.events = 0
         self.usage: dict[str, Any] | None = None
+        self.done = False  # the stream's `data: [DONE]` went by: it ended properly
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -31,6 +33,8 @@ class StreamTap:
         if not self.first_ns:
             self.first_ns = now
         self.last_ns = now
+        if chunk.endswith(_DONE) or (self._pending and (self._pending + chunk).endswith(_DONE)):
+            self.done = True
         if (
             not self._pending
             and _USAGE not in chunk

@@ -22,8 +22,9 @@ PREFIX_AWARE = _spec(
     picker="max_score",
     guard=_GUARD,
 )
-# Predicted time to first token, learned per replica from outcomes.
-TTFT = _spec(scorers=MappingProxyType({"ttft": 1}), picker="max_score", guard=_GUARD)
+# Predicted time to first token, learned per replica from outcomes, with the queue scorer as a
+# tie-breaker (weight 1 of 4) and no guard; bench/routing.py measured why (docs/routing-benchmark.md).
+TTFT = _spec(scorers=MappingProxyType({"ttft": 3, "queue": 1}), picker="max_score", guard=False)
 # Dynamo-like: lowest (uncached prefill blocks + held blocks) wins; the cost already has load.
 COST_BLOCKS = _spec(scorers=MappingProxyType({"cost_blocks": 1}), picker="max_score", guard=False)
 # llm-d's "sticky until saturated".

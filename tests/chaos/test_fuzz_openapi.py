@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import unsupported_method
@@ -56,11 +55,6 @@ def test_openapi_contract(gw: GatewayProc, case: Any) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app.create_app's http_error drops Starlette's `Allow` header from 405 answers "
-    "(RFC 9110 requires it; schemathesis ST204) — reported",
-)
 def test_405_names_the_allowed_methods(gw: GatewayProc) -> None:
     for method, path in [
         ("GET", "/v1/chat/completions"),

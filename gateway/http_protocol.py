@@ -1,0 +1,93 @@
+"""uvicorn's httptools protocol with the limits it lacks: a deadline for request headers and caps
+on their count and size, so slowloris clients and header floods cannot hold memory or sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADERS = 256
+HEADER_TIMEOUT_S = 10.0
+
+_REFUSALS = {
+    408: b"HTTP/1.1 408 Request Timeout\r\n",
+    431: b"HTTP/1.1 431 Request Header Fields Too Large\r\n",
+}
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_bytes = 0
+        self._header_count = 0
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()  # a connection that never sends a request goes too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = self._header_count = 0
+        self._arm()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url), 0)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value), 1)
+        if not self._refused:
+            super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        if not self._refused:
+            super().on_headers_complete()
+
+    def _count(self, size: int, headers: int) -> None:
+        self._header_bytes += size
+        self._header_count += headers
+        if self._header_bytes > MAX_HEADER_BYTES or self._header_count > MAX_HEADERS:
+            self._refuse(431, "Request headers too large")
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _too_slow(self) -> None:
+        self._header_timer = None
+        if self.cycle is None or self.cycle.response_complete:  # no request in progress
+            self._refuse(408, "Request headers not received in time")
+
+    def _refuse(self, status: int, message: str) -> None:
+        if self._refused or self.transport.is_closing():
+            return
+        self._refused = True
+        body = message.encode()
+        self.transport.write(
+            _REFUSALS[status]
+            + b"content-type: text/plain; charset=utf-8\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\nconnection: close\r\n\r\n"
+            + body
+        )
+        self.transport.close()
