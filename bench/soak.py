@@ -62,7 +62,10 @@ class TaskProbe:
                 for t in asyncio.all_tasks()
                 if t is not me
             )
-            body = orjson.dumps({"tasks": sum(names.values()), "names": names})
+            # pending loop timers: only plain asyncio shows them (uvloop keeps its own)
+            scheduled = getattr(asyncio.get_running_loop(), "_scheduled", None)
+            timers = None if scheduled is None else sum(not h.cancelled() for h in scheduled)
+            body = orjson.dumps({"tasks": sum(names.values()), "names": names, "timers": timers})
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json")]})  # fmt: skip
             await send({"type": "http.response.body", "body": body})
@@ -70,7 +73,7 @@ class TaskProbe:
         await self.app(scope, receive, send)
 
 
-def serve(config_path: str) -> None:
+def serve(config_path: str, loop: str = "uvloop") -> None:
     import uvicorn
 
     from gateway import create_app, load_config
@@ -82,7 +85,7 @@ def serve(config_path: str) -> None:
             app,
             host=config.server.host,
             port=config.server.port,
-            loop="uvloop",
+            loop=loop,  # type: ignore[arg-type]
             http="httptools",
             lifespan="on",
             log_config=None,
@@ -191,6 +194,7 @@ class Sample:
     rss_mb: float
     fds: int
     tasks: int | None = None  # only at idle checkpoints
+    timers: int | None = None  # pending loop timers at idle (plain asyncio loop only)
 
 
 @dataclass
@@ -211,7 +215,7 @@ class SoakResult:
         assert self.warm is not None and self.end is not None
         return (self.end.rss_mb - self.warm.rss_mb) / self.warm.rss_mb
 
-    def problems(self, max_growth: float = 0.10) -> list[str]:
+    def problems(self, max_growth: float = 0.10, timers: bool = True) -> list[str]:
         assert self.warm is not None and self.end is not None
         out = []
         if self.rss_growth > max_growth:
@@ -225,6 +229,10 @@ class SoakResult:
         if self.end.tasks != self.warm.tasks:
             out.append(f"asyncio tasks at idle: {self.warm.tasks} after the warm-up, "
                        f"{self.end.tasks} at the end: {self.task_names}")  # fmt: skip
+        if timers and self.warm.timers is not None and self.end.timers is not None:
+            if self.end.timers > self.warm.timers + 5:
+                out.append(f"pending loop timers at idle: {self.warm.timers} after the warm-up, "
+                           f"{self.end.timers} at the end")  # fmt: skip
         if self.bad_answers:
             out.append(f"{self.bad_answers} answers neither complete nor a clear error")
         return out
@@ -234,12 +242,13 @@ class SoakResult:
         lines = [
             f"soak: {self.requests} requests, {self.concurrency} keep-alive clients, "
             f"{self.wall_s:.0f} s, {self.requests / self.wall_s:.0f} req/s",
-            f"{'point':<22}{'requests':>10}{'RSS MiB':>10}{'fds':>7}{'tasks':>7}",
+            f"{'point':<22}{'requests':>10}{'RSS MiB':>10}{'fds':>7}{'tasks':>7}{'timers':>8}",
         ]
 
         def row(name: str, s: Sample) -> str:
             tasks = "" if s.tasks is None else str(s.tasks)
-            return f"{name:<22}{s.done:>10}{s.rss_mb:>10.1f}{s.fds:>7}{tasks:>7}"
+            timers = "" if s.timers is None else str(s.timers)
+            return f"{name:<22}{s.done:>10}{s.rss_mb:>10.1f}{s.fds:>7}{tasks:>7}{timers:>8}"
 
         lines.append(row("start (idle)", self.start))
         lines.append(row("after warm-up (idle)", self.warm))
@@ -251,7 +260,8 @@ class SoakResult:
         lines.append(
             f"RSS after warm-up {self.warm.rss_mb:.1f} -> end {self.end.rss_mb:.1f} MiB "
             f"({self.rss_growth:+.1%}, goal <= +10%), peak {peak:.1f} MiB; fds {self.warm.fds} -> "
-            f"{self.end.fds}; tasks {self.warm.tasks} -> {self.end.tasks}"
+            f"{self.end.fds}; tasks {self.warm.tasks} -> {self.end.tasks}; loop timers "
+            f"{self.warm.timers} -> {self.end.timers}"
         )
         lines.append("answers: " + ", ".join(f"{k}: {v}" for k, v in sorted(self.statuses.items()))
                      + f"; malformed: {self.bad_answers}")  # fmt: skip
@@ -259,8 +269,11 @@ class SoakResult:
 
 
 class Soak:
-    def __init__(self, requests: int, concurrency: int, warmup: int, workdir: Path) -> None:
+    def __init__(
+        self, requests: int, concurrency: int, warmup: int, workdir: Path, loop: str = "uvloop"
+    ) -> None:
         self.requests, self.concurrency, self.warmup = requests, concurrency, warmup
+        self.loop = loop
         self.workdir = workdir
         self.mix = bodies()
         self.upstream: subprocess.Popen[bytes] | None = None
@@ -296,7 +309,7 @@ class Soak:
         log = open(self.workdir / "gateway.log", "wb")  # noqa: SIM115 - the child owns it
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         self.gateway = subprocess.Popen(
-            [sys.executable, "-m", "bench.soak", "serve", "--config", str(path)],
+            [sys.executable, "-m", "bench.soak", "serve", "--config", str(path), "--loop", self.loop],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
         log.close()
@@ -325,7 +338,7 @@ class Soak:
         assert self.gateway is not None
         return len(os.listdir(f"/proc/{self.gateway.pid}/fd"))
 
-    async def tasks(self) -> tuple[int, dict[str, int]]:
+    async def tasks(self) -> tuple[int, dict[str, int], int | None]:
         conn = await self.connect()
         try:
             status, body = await conn.request(
@@ -336,13 +349,13 @@ class Soak:
             conn.transport.close()
         assert status == 200
         data = orjson.loads(body)
-        return int(data["tasks"]), dict(data["names"])
+        return int(data["tasks"]), dict(data["names"]), data["timers"]
 
     async def idle_sample(self, done: int) -> tuple[Sample, dict[str, int]]:
         """Let in-flight work and closed connections settle, then count (the same way twice)."""
         await asyncio.sleep(1.5)
-        tasks, names = await self.tasks()
-        return Sample(done, self.rss_mb(), self.fds(), tasks), names
+        tasks, names, timers = await self.tasks()
+        return Sample(done, self.rss_mb(), self.fds(), tasks, timers), names
 
     async def connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -447,13 +460,19 @@ def _free_port() -> int:
 
 
 async def run_soak(
-    requests: int, concurrency: int = 32, warmup: int | None = None, workdir: Path | None = None
+    requests: int,
+    concurrency: int = 32,
+    warmup: int | None = None,
+    workdir: Path | None = None,
+    loop: str = "uvloop",
 ) -> SoakResult:
+    """`loop`: the gateway's event loop, `uvloop` as in production, or `asyncio` (slower, but its
+    pending timers can be counted)."""
     warm = warmup if warmup is not None else max(1000, requests // 10)
     if workdir is not None:
-        return await Soak(requests, concurrency, warm, workdir).run()
+        return await Soak(requests, concurrency, warm, workdir, loop).run()
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
-        return await Soak(requests, concurrency, warm, Path(tmp)).run()
+        return await Soak(requests, concurrency, warm, Path(tmp), loop).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -461,14 +480,18 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["serve"]:
         p = argparse.ArgumentParser(prog="bench.soak serve")
         p.add_argument("--config", required=True)
-        serve(p.parse_args(args[1:]).config)
+        p.add_argument("--loop", default="uvloop", choices=["uvloop", "asyncio"])
+        a = p.parse_args(args[1:])
+        serve(a.config, a.loop)
         return 0
     p = argparse.ArgumentParser(prog="bench.soak", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=100_000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--warmup", type=int, help="requests before the baseline (default 10%%)")
+    p.add_argument("--loop", default="uvloop", choices=["uvloop", "asyncio"],
+                   help="the gateway's loop; asyncio also counts pending timers")  # fmt: skip
     a = p.parse_args(args)
-    result = asyncio.run(run_soak(a.requests, a.concurrency, a.warmup))
+    result = asyncio.run(run_soak(a.requests, a.concurrency, a.warmup, loop=a.loop))
     print(result.table())
     problems = result.problems()
     for line in problems:

@@ -220,7 +220,7 @@ def test_slowloris_does_not_starve_other_clients(gw: GatewayProc) -> None:
                     headers={"authorization": f"Bearer {TENANT_KEY}"},
                 )
                 assert res.status_code == 200
-        assert gw.fds() >= base_fds + 250  # the slow ones really were held open
+        assert gw.fds() >= base_fds + 200  # most slow ones were held open (the header deadline may drop some)
     finally:
         for s in slow:
             s.close()
