@@ -18,6 +18,7 @@ import asyncio
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +90,7 @@ WORKLOADS: dict[str, wl.WorkloadSpec] = {
             3000,
             params={"k": 16, "hot_weight": 10.0, "user_tokens": (500, 1500)},
             engine=ENGINE,
+            hot_group="sys0",
         ),
         wl.WorkloadSpec(
             "trace",
@@ -113,6 +115,7 @@ class Row:
     busy: float  # mean share of the makespan the replicas spent in steps
     overflow: int  # requests the gateway would have held in admission (all replicas saturated)
     cpu_s: float
+    hot: tuple[int, int] = (0, 0)  # the hot group's requests on its busiest replica, and in all
 
 
 @dataclass(slots=True)
@@ -148,7 +151,15 @@ async def run_one(p: Prepared, router_name: str, seed: int) -> Row:
     cpu = time.process_time() - cpu
     s = result.summary()
     busy = sum(result.busy_s) / len(result.busy_s) / s["makespan_s"] if s["makespan_s"] else 0.0
-    return Row(p.name, router_name, s, busy, getattr(router, "overflow", 0), cpu)
+    hot = (0, 0)
+    if p.spec.hot_group is not None:
+        where = Counter(
+            rec.replica
+            for rec, req in zip(result.records, p.requests, strict=True)
+            if req.meta.get("group") == p.spec.hot_group
+        )
+        hot = (max(where.values(), default=0), sum(where.values()))
+    return Row(p.name, router_name, s, busy, getattr(router, "overflow", 0), cpu, hot)
 
 
 # --- goals ---------------------------------------------------------------------------------------
@@ -376,6 +387,12 @@ def report(runs: dict[str, Prepared], routers: Sequence[str], args: argparse.Nam
         "oracle's misses; live set: most reusable prefix tokens alive at once.\n"
     )
     print(result_table(runs))
+    for p in runs.values():
+        if p.spec.hot_group is not None:
+            spread = ", ".join(
+                f"{r.router} {r.hot[0]}/{r.hot[1]}" for r in p.rows.values() if r.hot[1]
+            )
+            print(f"\n{p.name}: the hot prompt's requests on its busiest replica: {spread}")
     if any(r.overflow for p in runs.values() for r in p.rows.values()):
         print(
             "\n* every replica was saturated for some requests (the gateway would have held "

@@ -320,7 +320,7 @@ class WorkloadSpec:
     requests: int  # default size of a full run
     params: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)  # Cluster(**engine)
-    goals: tuple[str, ...] = ()
+    hot_group: str | None = None  # a group whose spread over replicas the report shows
 
     def build(self, n: int, seed: int) -> list[SimRequest]:
         return self.generate(n, self.rate, seed, **self.params)

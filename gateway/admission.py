@@ -253,10 +253,15 @@ class Admission:
         if pq.turn is not None:
             return
         self._expire_overdue(pq)
-        head = pq.head()
+        while True:
+            head = pq.head()
+            if head is None or head.wake is None or not head.wake.done():
+                break
+            # its task was cancelled (client gone) and has not run its own cleanup yet
+            next(cq for n, cq in pq.classes if n == head.klass).remove(head)
         if head is None or not head.has_capacity():
             return
-        assert head.wake is not None and not head.wake.done()
+        assert head.wake is not None
         pq.turn = head
         head.wake.set_result(_GO)
 

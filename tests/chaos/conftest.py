@@ -112,6 +112,7 @@ def fuzz_config(upstream_port: int) -> dict[str, Any]:
             "expose_upstream_errors": False,
             "admin_key": ADMIN_KEY,
             "log_level": "warning",
+            "body_timeout_s": 2,  # a client that stops sending its body is let go soon
         },
         "pools": {
             "chat": {

@@ -1,22 +1,45 @@
 """A short soak (the CI size of `bench/soak.py`): 5k requests through a gateway process, with bad
-requests, unknown keys and clients that hang up mid-stream; its fds and asyncio tasks at idle return
+requests, unknown keys and clients that hang up mid-stream. At idle its fds and asyncio tasks return
 to their count after the warm-up and its RSS stays flat. `python -m bench.soak` runs 100k.
+
+The gateway runs on the plain asyncio loop here (uvloop in production) so that its pending loop
+timers can be counted too.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import asyncio
 
 import pytest
 
-from bench.soak import run_soak
+from bench.soak import SoakResult, run_soak
 
 pytestmark = pytest.mark.chaos
 
 
-async def test_no_fd_task_or_memory_leak_over_5k_requests(tmp_path: Path) -> None:
-    result = await run_soak(5000, concurrency=16, warmup=1000, workdir=tmp_path)
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory: pytest.TempPathFactory) -> SoakResult:
+    workdir = tmp_path_factory.mktemp("soak")
+    result = asyncio.run(
+        run_soak(5000, concurrency=16, warmup=1000, workdir=workdir, loop="asyncio")
+    )
     print("\n" + result.table())
-    assert not result.problems(max_growth=0.10), result.table()
-    assert result.statuses["abort_mid_stream 499"] > 50  # the cancellation path really ran
-    assert result.statuses["json 200"] + result.statuses["stream 200"] > 4000
+    return result
+
+
+def test_no_fd_task_or_memory_leak_over_5k_requests(soak: SoakResult) -> None:
+    assert not soak.problems(max_growth=0.10, timers=False), soak.table()
+    assert soak.statuses["abort_mid_stream 499"] > 50  # the cancellation path really ran
+    assert soak.statuses["json 200"] + soak.statuses["stream 200"] > 4000
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="upstream._Timers.remove leaves an emptied slot (a pending loop timer, its context copy "
+    "and set) until its deadline fires, up to timeouts.total_s (600 s) later: pending timers and "
+    "RSS grow with time under load for 10 minutes — reported",
+)
+def test_pending_loop_timers_return_to_baseline(soak: SoakResult) -> None:
+    assert soak.warm is not None and soak.end is not None
+    assert soak.end.timers is not None
+    assert soak.end.timers <= soak.warm.timers + 5, soak.table()  # type: ignore[operator]

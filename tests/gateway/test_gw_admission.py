@@ -384,3 +384,25 @@ async def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="weight"):
         async with adm.slot(POOL, "t", 0, "batch", lambda: True):
             pass
+
+
+async def test_many_waiters_cancelled_at_once_do_not_break_the_queue() -> None:
+    """Regression: cancelling queued tasks finishes their wake futures before their own cleanup
+    runs; a notify() in between must skip them, not assert, and wake the next live waiter."""
+    adm = Admission(classes())
+    free = False
+    served: list[int] = []
+
+    async def request(i: int) -> None:
+        async with adm.slot("p", "t", 1.0, "interactive", lambda: free):
+            served.append(i)
+
+    tasks = [asyncio.create_task(request(i)) for i in range(20)]
+    await asyncio.sleep(0)  # all of them queue
+    for t in tasks[:15]:
+        t.cancel()  # clients gone at once
+    free = True
+    adm.notify("p")  # before the cancelled tasks have run their cleanup
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results[:15])
+    assert results[15:] == [None] * 5 and served == [15, 16, 17, 18, 19]
