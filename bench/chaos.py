@@ -701,7 +701,9 @@ class Report:
         late = self.errors_after_faults()
         lines.append(f"errors started >2 s after the faults stopped: {len(late)}; "
                      f"unsent 5xx with a healthy replica: {len(self.unsent_5xx())}")  # fmt: skip
-        lines.append("fault script: " + "; ".join(f"{t:.1f}s {w}" for t, w in self.events))
+        first = [(t, w) for t, w in self.events if t < p.warmup_s + p.cycle_s]
+        more = f" (then {p.cycles - 1} more cycles on rotated replicas)" if p.cycles > 1 else ""
+        lines.append("fault script: " + "; ".join(f"{t:.1f}s {w}" for t, w in first) + more)
         return "\n".join(lines)
 
 

@@ -5,8 +5,8 @@ ReplicaState views, build_policy, the gateway's in-flight accounting) in front o
 replicas; the goals of issue 5 are checked per policy and the default is picked from them.
 docs/routing-benchmark.md has the workloads, the load derivation and the measured tables.
 
-    .venv/bin/python -m bench.routing                      # everything, ~12 min
-    .venv/bin/python -m bench.routing --quick              # small runs, ~1.5 min
+    .venv/bin/python -m bench.routing                      # everything, ~7 min
+    .venv/bin/python -m bench.routing --quick              # small runs, ~1 min
     .venv/bin/python -m bench.routing --workload multi_turn --policies round_robin ttft
     .venv/bin/python -m bench.routing --http               # real gateway over HTTP vs the DES
 """

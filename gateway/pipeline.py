@@ -233,8 +233,9 @@ class Pipeline:
     def pick_pool(self, req: ParsedRequest, prompt_tokens: int) -> Pool:
         name = self.gw.config.pool_for(req.model, prompt_tokens)
         if name is None:
+            model = req.model if len(req.model) <= 64 else req.model[:64] + "…"
             raise NotFound(
-                f"The model `{req.model}` does not exist.", param="model", code="model_not_found"
+                f"The model `{model}` does not exist.", param="model", code="model_not_found"
             )
         return self.gw.pools[name]
 

@@ -153,6 +153,9 @@ class _Timers:
         slot = self.slots.get(key)
         if slot is not None:
             slot[1].discard(resp)
+            if not slot[1]:  # nobody waits on this deadline any more: free its loop timer now
+                slot[0].cancel()
+                del self.slots[key]
 
     @staticmethod
     def end_of(key: int) -> float:

@@ -33,13 +33,10 @@ def test_no_fd_task_or_memory_leak_over_5k_requests(soak: SoakResult) -> None:
     assert soak.statuses["json 200"] + soak.statuses["stream 200"] > 4000
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="upstream._Timers.remove leaves an emptied slot (a pending loop timer, its context copy "
-    "and set) until its deadline fires, up to timeouts.total_s (600 s) later: pending timers and "
-    "RSS grow with time under load for 10 minutes — reported",
-)
 def test_pending_loop_timers_return_to_baseline(soak: SoakResult) -> None:
     assert soak.warm is not None and soak.end is not None
     assert soak.end.timers is not None
-    assert soak.end.timers <= soak.warm.timers + 5, soak.table()  # type: ignore[operator]
+    # open keep-alive client connections each hold a few live timers (uvicorn's keep-alive, the
+    # header deadline); a leak grows with requests (before the _Timers fix: 71 -> 334 over 5k)
+    slack = 4 * soak.concurrency
+    assert soak.end.timers <= soak.warm.timers + slack, soak.table()  # type: ignore[operator]
