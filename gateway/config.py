@@ -124,7 +124,7 @@ class ReplicaConfig(_Strict):
 class PoolConfig(_Strict):
     replicas: tuple[ReplicaConfig, ...] = ()
     discovery: DiscoveryConfig | None = None  # instead of `replicas`: dns or kubernetes
-    policy: str | dict[str, Any] = "prefix_aware"
+    policy: str | dict[str, Any] = "ttft"  # the routing benchmark's pick (docs/routing-benchmark.md)
     max_inflight_per_replica: int = Field(64, ge=1)
     health: HealthConfig = HealthConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()

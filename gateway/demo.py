@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 import uvicorn
 
+from policies.registry import DEFAULT_POLICY
 from simulator.workloads import WorkItem, shared_prompts
 
 from .app import create_app
@@ -238,7 +239,7 @@ async def demo(
     speedup: float = 5.0,
     replicas: int = 4,
     seed: int = 0,
-    policies: Sequence[str] = ("round_robin", "prefix_aware"),
+    policies: Sequence[str] = ("round_robin", DEFAULT_POLICY),
 ) -> list[RunResult]:
     items = workload(requests, seed)
     show = True
