@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import random
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -18,7 +19,11 @@ from typing import Any
 from simulator.des import SimRequest
 from simulator.kv_cache import block_hashes
 
-TRACE = Path("/work/shared/traces/synthetic_trace.jsonl")
+# the public trace lives beside the checkout (shared/traces/); KVGW_TRACE points elsewhere
+TRACE = Path(
+    os.environ.get("KVGW_TRACE")
+    or Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+)
 TRACE_BLOCK_TOKENS = 512  # one Mooncake hash id stands for 512 tokens
 
 # Token ids live in array("q"): 8 bytes each, the layout the simulator hashes without converting
