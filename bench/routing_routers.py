@@ -20,6 +20,13 @@ from gateway.scrape import LoadSample
 from policies import Outcome, RoutedRequest, build_policy
 from policies.registry import DEFAULT_POLICY
 from prefix_index.chunking import Chunker, make_chunker, render_chat, render_chatml, scope_key
+from prefix_index.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KvEventApplier,
+)
 from prefix_index.memory import MemoryIndex
 from simulator.des import Cluster, ReplicaLoad, SimRequest
 from simulator.sequence import Status
@@ -291,3 +298,68 @@ ROUTERS: dict[str, RouterVariant] = {
 }
 DEFAULT_ROUTERS = (*BASELINES, *CANDIDATES, "clairvoyant")
 GATEWAY_DEFAULT = DEFAULT_POLICY
+
+
+class PreciseGatewayRouter(GatewayRouter):
+    """`GatewayRouter` in precise mode: the index also learns what each engine really stored and
+    evicted, from the engines' KV events, through the gateway's own `KvEventApplier`.
+
+    As with `index.events.enabled` in the gateway, requests hash their token ids (the blocks
+    line up with the engine's), routed entries live `routed_ttl_s`, and `match` answers the
+    better of routed and engine-reported per replica.
+    """
+
+    def __init__(
+        self, policy: str, cluster: Cluster, *, seed: int = 0, routed_ttl_s: float = 10.0
+    ) -> None:
+        super().__init__(
+            policy,
+            len(cluster.engines),
+            seed=seed,
+            kv_tokens=_kv_tokens(cluster),
+            label=f"{policy}+precise",
+        )
+        self.index = MemoryIndex(
+            self.index._default_capacity, None, clock=lambda: self.now, routed_ttl_s=routed_ttl_s  # noqa: SLF001
+        )
+        for r in self.replicas:
+            if r.capacity_blocks:
+                self.index.set_capacity(r.name, r.capacity_blocks)
+            self.index.set_precise(r.name)
+        self.engines = cluster.engines
+        for e in self.engines:
+            e.cache.events = []  # the engines record KV events as a publisher would send them
+        self.appliers = [
+            KvEventApplier(self.index, self.chunker, lambda lora: self.scope, n) for n in self.names
+        ]
+        self.block_size = cluster.config.block_size
+
+    def _prompt(self, req: SimRequest) -> tuple[list[int], int]:
+        tokens = req.prompt_tokens  # tokens mode: the ids the engine prefills
+        return self.chunker.hash_tokens(self.scope, _as_u32(tokens)), len(tokens)
+
+    async def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:  # type: ignore[override]
+        self.now = req.arrival_s
+        for engine, applier in zip(self.engines, self.appliers, strict=True):
+            raw = engine.cache.events
+            if raw:
+                engine.cache.events = []
+                await applier.apply(EventBatch(self.now, [self._event(e) for e in raw]))
+        return super().route(req, view)
+
+    def _event(self, e: tuple[Any, ...]) -> Any:
+        if e[0] == "stored":
+            _, hashes, parent, token_ids = e
+            return BlockStored(list(hashes), parent, list(token_ids), self.block_size)
+        if e[0] == "removed":
+            return BlockRemoved([e[1]])
+        return AllBlocksCleared()
+
+
+def _precise(policy: str) -> RouterVariant:
+    return RouterVariant(
+        f"{policy}+precise", lambda c, seed: PreciseGatewayRouter(policy, c, seed=seed)
+    )
+
+
+ROUTERS.update({f"{p}+precise": _precise(p) for p in (DEFAULT_POLICY, "prefix_aware")})

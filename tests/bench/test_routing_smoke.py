@@ -85,3 +85,21 @@ def test_command_prints_the_table_goals_and_a_default(capsys: pytest.CaptureFixt
     assert "| shared_prompts | round_robin |" in out and "| shared_prompts | ttft |" in out
     assert "shared_prompts: hit ratio >= 0.9 x oracle" in out
     assert "\nDefault: ttft:" in out
+
+
+async def test_precise_router_learns_the_engines_blocks(shared: routing.Prepared) -> None:
+    """The precise variant feeds the index from the engines' own KV events: it must hold
+    engine-reported blocks, match what a replica really caches, and still beat round robin."""
+    cluster = Cluster(routing.N_REPLICAS, seed=0, **shared.spec.engine)
+    router = ROUTERS["ttft+precise"].build(cluster, 0)
+    result = await run(shared.requests, cluster, router, scrape_interval_s=routing.SCRAPE_S)
+    st = router.index.stats_now()
+    assert sum(st.engine_blocks_per_replica.values()) > 0
+    assert all(a.counts.unknown_parent == 0 for a in router.appliers)
+    # what the index says a replica holds from the engine is what that engine has cached
+    req = shared.requests[-1]
+    hashes, _ = router._prompt(req)
+    said = router.index.match_now(router.scope, hashes, router.names)
+    for i, engine in enumerate(cluster.engines):
+        assert said[router.names[i]] >= engine.cached_prefix_tokens(req.prompt_tokens) // 16 - 1
+    assert result.summary()["hit_ratio"] > 0.8
