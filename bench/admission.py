@@ -24,20 +24,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
-import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
-import uvicorn
 
-from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.demo import serving, simulated_fleet
 from simulator.workloads import text
 
 MODEL = "qwen2.5-14b"
@@ -89,28 +86,6 @@ class Result:
         return self.batch_tokens / self.sim_s
 
 
-@contextlib.asynccontextmanager
-async def fleet(n: int, speedup: float) -> AsyncIterator[list[str]]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "simulator", "--replicas", str(n), "--port", "0",
-        "--speedup", str(speedup), *SIM_ARGS,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    urls: list[str] = []
-    assert proc.stdout is not None
-    try:
-        while len(urls) < n:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-            if not line:
-                raise RuntimeError("the simulator exited before it was ready")
-            urls += [w for w in line.split() if w.startswith("http://")]
-        yield urls
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        await proc.wait()
-
-
 def gateway_config(urls: Sequence[str], max_inflight: int) -> dict:
     return {
         "server": {"host": "127.0.0.1", "port": 0},
@@ -134,33 +109,6 @@ def gateway_config(urls: Sequence[str], max_inflight: int) -> dict:
             }
         },
     }
-
-
-@contextlib.asynccontextmanager
-async def gateway(urls: Sequence[str], max_inflight: int) -> AsyncIterator[str]:
-    cfg = gateway_config(urls, max_inflight)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(parse_config(cfg)),
-            host="127.0.0.1",
-            port=0,
-            log_config=None,
-            access_log=False,
-            lifespan="on",
-            loop="none",
-        )
-    )
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.02)
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def send(h: aiohttp.ClientSession, base: str, r: Req, res: Result, speedup: float) -> None:
@@ -310,7 +258,7 @@ async def main_async(args: argparse.Namespace) -> int:
         f"admission bench: {args.replicas} simulated replicas of {MODEL} on A100-80G, "
         f"speedup {sp:g}x, {args.interactive_share:.0%} interactive"
     )
-    async with fleet(args.replicas, sp) as urls:
+    async with simulated_fleet(args.replicas, "--speedup", str(sp), *SIM_ARGS) as urls:
         cap = await capacity(urls, sp, args.capacity_wall_s, args.interactive_share)
     rate = args.load * cap
     print(
@@ -320,7 +268,10 @@ async def main_async(args: argparse.Namespace) -> int:
     reqs = workload(rate, duration, args.interactive_share, args.seed)
     results = []
     for name, inflight in ((f"on (inflight {args.inflight})", args.inflight), ("off", 100_000)):
-        async with fleet(args.replicas, sp) as urls, gateway(urls, inflight) as base:
+        async with (
+            simulated_fleet(args.replicas, "--speedup", str(sp), *SIM_ARGS) as urls,
+            serving(parse_config(gateway_config(urls, inflight))) as base,
+        ):
             r = await open_loop(name, base, reqs, duration, sp)
         print(f"  {name}: done")
         results.append(r)

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 import orjson
-import uvicorn
 
 from bench.routing_routers import GatewayRouter
-from gateway import create_app, parse_config
+from gateway import Config, parse_config
+from gateway.demo import serving, simulated_fleet
 from simulator import workloads as text_workloads
 from simulator.config import build_config
 from simulator.des import Cluster, chat_requests, run
@@ -93,42 +92,17 @@ async def des_row(
     )
 
 
-@contextlib.asynccontextmanager
-async def simulator_fleet(
-    n: int, speedup: float, seed: int, engine: dict[str, Any]
-) -> AsyncIterator[list[str]]:
-    args = ["--replicas", str(n), "--port", "0", "--speedup", str(speedup), "--seed", str(seed)]
-    args += ["--model", engine["model"], "--gpu", engine["gpu"]]
-    args += ["--gpu-memory-utilization", str(engine.get("gpu_memory_utilization", 0.9))]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "simulator",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    assert proc.stdout is not None
-    urls: list[str] = []
-    try:
-        while len(urls) < n:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-            if not line:
-                raise RuntimeError("the simulator exited before it was ready")
-            urls += [w for w in line.split() if w.startswith("http://")]
-        yield urls
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        await proc.wait()
+def simulator_args(speedup: float, seed: int, engine: dict[str, Any]) -> list[str]:
+    return [
+        "--speedup", str(speedup), "--seed", str(seed),
+        "--model", engine["model"], "--gpu", engine["gpu"],
+        "--gpu-memory-utilization", str(engine.get("gpu_memory_utilization", 0.9)),
+    ]  # fmt: skip
 
 
-@contextlib.asynccontextmanager
-async def gateway(
-    urls: Sequence[str], policy: str, speedup: float, kv_tokens: int
-) -> AsyncIterator[str]:
-    """The gateway app on a free port; scrapes every simulated second, like the DES."""
-    cfg = parse_config(
+def gateway_config(urls: Sequence[str], policy: str, speedup: float, kv_tokens: int) -> Config:
+    """The gateway for the run: scrapes every simulated second, like the DES."""
+    return parse_config(
         {
             "pools": {
                 "bench": {
@@ -140,29 +114,6 @@ async def gateway(
             }
         }
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(cfg),
-            host="127.0.0.1",
-            port=0,
-            log_config=None,
-            access_log=False,
-            lifespan="on",
-            loop="none",
-        )
-    )
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.02)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def _one(
@@ -198,8 +149,8 @@ async def http_row(
 ) -> dict[str, float]:
     kv_tokens = build_config(**engine).num_blocks * 16
     async with (
-        simulator_fleet(8, speedup, seed, engine) as urls,
-        gateway(urls, policy, speedup, kv_tokens) as gw,
+        simulated_fleet(8, *simulator_args(speedup, seed, engine)) as urls,
+        serving(gateway_config(urls, policy, speedup, kv_tokens)) as gw,
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
     ):
         times: list[tuple[float, float, int]] = []

@@ -23,7 +23,7 @@ from policies.registry import DEFAULT_POLICY
 from simulator.workloads import WorkItem, shared_prompts
 
 from .app import create_app
-from .config import parse_config
+from .config import Config, parse_config
 
 SIM_ARGS = [
     "--model",
@@ -62,26 +62,17 @@ class RunResult:
 
 
 @contextlib.asynccontextmanager
-async def simulated_fleet(n: int, speedup: float) -> AsyncIterator[list[str]]:
+async def simulated_fleet(n: int, *sim_args: str) -> AsyncIterator[list[str]]:
+    """`python -m simulator --replicas n --port 0 *sim_args` in a subprocess; yields its URLs."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "simulator",
-        "--replicas",
-        str(n),
-        "--port",
-        "0",
-        "--speedup",
-        str(speedup),
-        *SIM_ARGS,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
+        sys.executable, "-m", "simulator", "--replicas", str(n), "--port", "0", *sim_args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
     urls: list[str] = []
     assert proc.stdout is not None
     try:
         while len(urls) < n:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
             if not line:
                 raise RuntimeError("the simulator exited before it was ready")
             urls += [w for w in line.split() if w.startswith("http://")]
@@ -92,10 +83,30 @@ async def simulated_fleet(n: int, speedup: float) -> AsyncIterator[list[str]]:
         await proc.wait()
 
 
-async def _serve_gateway(
-    urls: Sequence[str], policy: str
-) -> tuple[uvicorn.Server, asyncio.Task[None], str]:
-    cfg = parse_config(
+@contextlib.asynccontextmanager
+async def serving(config: Config) -> AsyncIterator[str]:
+    """The gateway app for `config` on a free loopback port in this event loop; yields its URL."""
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config), host="127.0.0.1", port=0, log_config=None,
+            access_log=False, lifespan="on", loop="none",
+        )
+    )  # fmt: skip
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.02)
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+def _demo_config(urls: Sequence[str], policy: str) -> Config:
+    return parse_config(
         {
             "server": {"host": "127.0.0.1", "port": 0},
             "pools": {
@@ -108,25 +119,6 @@ async def _serve_gateway(
             },
         }
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(cfg),
-            host="127.0.0.1",
-            port=0,
-            log_config=None,
-            access_log=False,
-            lifespan="on",
-            loop="none",
-        )
-    )
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return server, task, f"http://127.0.0.1:{port}"
 
 
 async def _one(h: aiohttp.ClientSession, url: str, item: WorkItem, model: str) -> float | None:
@@ -158,48 +150,45 @@ async def _one(h: aiohttp.ClientSession, url: str, item: WorkItem, model: str) -
 async def run_policy(
     policy: str, items: Sequence[WorkItem], speedup: float, replicas: int, show: bool
 ) -> RunResult:
-    async with simulated_fleet(replicas, speedup) as urls:
-        server, task, gw = await _serve_gateway(urls, policy)
-        ttfts: list[float] = []
-        errors = 0
-        tty = sys.stdout.isatty()
-        try:
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as h:
-                t_start = time.perf_counter()
+    ttfts: list[float] = []
+    errors = 0
+    tty = sys.stdout.isatty()
+    step = 10 if tty else max(1, len(items) // 4)  # a pipe gets a few lines, a terminal one
+    sim_args = ("--speedup", str(speedup), *SIM_ARGS)
+    async with (
+        simulated_fleet(replicas, *sim_args) as urls,
+        serving(_demo_config(urls, policy)) as gw,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as h,
+    ):
+        t_start = time.perf_counter()
 
-                async def fire(item: WorkItem) -> None:
-                    nonlocal errors
-                    delay = item.arrival_s / speedup - (time.perf_counter() - t_start)
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    ttft = await _one(h, gw, item, "qwen2.5-14b")
-                    if ttft is None:
-                        errors += 1
-                    else:
-                        ttfts.append(ttft * speedup)
-                    done = len(ttfts) + errors
-                    if show and (done % 10 == 0 or done == len(items)):
-                        xs = sorted(ttfts)
-                        p50 = xs[len(xs) // 2] if xs else 0.0
-                        print(
-                            f"\r  {policy:<14} {done:>4}/{len(items)} requests   TTFT p50 {p50 * 1000:7.0f} ms",
-                            end="",
-                            flush=True,
-                        )
+        async def fire(item: WorkItem) -> None:
+            nonlocal errors
+            delay = item.arrival_s / speedup - (time.perf_counter() - t_start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            ttft = await _one(h, gw, item, "qwen2.5-14b")
+            if ttft is None:
+                errors += 1
+            else:
+                ttfts.append(ttft * speedup)
+            done = len(ttfts) + errors
+            if show and (done % step == 0 or done == len(items)):
+                xs = sorted(ttfts)
+                p50 = xs[len(xs) // 2] if xs else 0.0
+                line = f"  {policy:<14} {done:>4}/{len(items)} requests   TTFT p50 {p50 * 1000:7.0f} ms"
+                print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
 
-                await asyncio.gather(*(fire(w) for w in items))
-                wall = time.perf_counter() - t_start
-                prompt = hits = 0
-                for u in urls:
-                    async with h.get(u + "/sim/stats") as res:
-                        st = await res.json()
-                    prompt += int(st["prompt_tokens"])
-                    hits += int(st["prefix_hit_tokens"])
-            if show and tty:
-                print()
-        finally:
-            server.should_exit = True
-            await task
+        await asyncio.gather(*(fire(w) for w in items))
+        wall = time.perf_counter() - t_start
+        prompt = hits = 0
+        for u in urls:
+            async with h.get(u + "/sim/stats") as res:
+                st = await res.json()
+            prompt += int(st["prompt_tokens"])
+            hits += int(st["prefix_hit_tokens"])
+    if show and tty:
+        print()
     return RunResult(policy, ttfts, errors, wall, prompt, hits, speedup)
 
 
