@@ -1,25 +1,28 @@
 """The routers the benchmark compares inside the discrete-event simulator.
 
-`GatewayRouter` is the gateway's routing step with its real parts: the chunker, a `MemoryIndex`,
-`ReplicaState` views, the policy from `build_policy`, and the gateway's in-flight accounting.
-`Clairvoyant` is a reference that reads the engines' true caches and queues. `ROUTERS` names
-them all; a later variant (e.g. an index fed by KV events) is one more entry there.
+`DesRouter` is the gateway's own routing unit (`gateway.router.Router` on a real `Gateway` built
+from config: chunker, MemoryIndex, ReplicaState views, the pool's policy, dispatch accounting),
+fed each request's OpenAI body exactly as a client sends it; the DES only plays the clock and the
+scrapes. `Clairvoyant` is a reference that reads the engines' true caches and queues. `ROUTERS`
+names them all.
 """
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from gateway.config import Config, parse_config
-from gateway.replicas import ReplicaState
+from gateway.openai import parse_body
+from gateway.router import Dispatch, RouteInput
+from gateway.runtime import Gateway
 from gateway.scrape import LoadSample
-from policies import Outcome, RoutedRequest, build_policy
+from policies import build_policy
 from policies.registry import DEFAULT_POLICY
-from prefix_index.chunking import Chunker, make_chunker, render_chat, render_chatml, scope_key
+from prefix_index.chunking import scope_key
 from prefix_index.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -48,46 +51,37 @@ def gateway_config(
     }
     if capacity_blocks is not None:
         pool["capacity_blocks"] = capacity_blocks
-    return parse_config({"pools": {POOL: pool}})
+    return parse_config({"pools": {POOL: pool}, "tracing": {"exporter": "none"}})
 
 
-def _as_u32(tokens: Sequence[int]) -> Sequence[int]:
-    """array("q") token ids as array("I") with one C-level copy (ids are < 2**32), so the
-    chunker's own conversion to u32 bytes is a memcpy instead of a loop; same ids, same hashes."""
-    if isinstance(tokens, array) and tokens.typecode == "q" and sys.byteorder == "little":
-        out = array("I")
-        out.frombytes(memoryview(tokens).cast("B").cast("I")[::2].tobytes())
-        return out
-    return tokens
+def body_of(req: SimRequest) -> tuple[str, bytes]:
+    """The endpoint and raw body a client sent for `req`: its own (`meta["kind"]`, `meta["raw"]`),
+    a chat body for a chat work item (`meta["item"]`), or, for a token-level workload,
+    `/v1/completions` with the prompt's token ids."""
+    raw = req.meta.get("raw")
+    if raw is not None:
+        return req.meta["kind"], raw
+    item = req.meta.get("item")
+    if item is not None:
+        chat = {"model": MODEL, "messages": list(item.messages), "max_tokens": req.max_tokens,
+                "stream": True}  # fmt: skip
+        return "chat", orjson.dumps(chat)
+    body = {"model": MODEL, "prompt": list(req.prompt_tokens), "max_tokens": req.max_tokens,
+            "stream": True}  # fmt: skip
+    return "completions", orjson.dumps(body)
 
 
-@dataclass(slots=True)
-class _Dispatch:
-    """One request in flight: what the gateway's `_Attempt` keeps."""
+class DesRouter:
+    """`simulator.des.Router` around the gateway's routing unit, as the pipeline drives it.
 
-    replica: ReplicaState
-    routed: RoutedRequest
-    hit_tokens: int
-    uncached: int
-    load: int
-    queued: int
-    prefilled: bool = False
-
-
-class GatewayRouter:
-    """`simulator.des.Router` that routes exactly as `gateway.pipeline` does.
-
-    - route: hash the prompt (token ids with `hash_tokens`, or chat text rendered and hashed
-      like `Pipeline.prompt_of` when the request carries a chat item), `match` in the index,
-      `ReplicaState.view` per replica from the last scrape, `policy.choose`; then
-      `dispatched(uncached)` on the winner (uncached = prompt - hit blocks x tokens per block).
-    - first token: `prefilled(uncached)`, and the index records the chain on that replica.
-    - finish: `observe_ttft`, `Outcome` to the policy (the replica's TTFT, the load and queued
-      tokens of the view it was routed on), `finished()`.
+    route: parse the body (`gateway.openai.parse_body`), `Router.prompt` / `prepare` (render,
+    scope, hash), `decide` (index match, views, policy), `dispatch` + `record` (in-flight counts
+    and the chain on the chosen replica). First token: `Dispatch.prefilled`. Finish:
+    `Dispatch.finished` with the replica's TTFT (every DES request is a streamed 200), `done`.
 
     The DES cannot hold a request back, so when every replica is saturated (the gateway would
     queue it in admission) the request goes to the replica with the fewest in flight and is
-    counted in `overflow`.
+    counted in `overflow`. `predicted[req.id]` keeps the predicted cached tokens per request.
     """
 
     def __init__(
@@ -99,31 +93,33 @@ class GatewayRouter:
         kv_tokens: int | None = None,
         label: str | None = None,
     ) -> None:
-        ch = gateway_config(1, "round_robin").index.chunking
-        self.chunker: Chunker = make_chunker(
-            ch.mode, block_bytes=ch.block_bytes, tokenizer=ch.tokenizer, block_size=ch.block_size
-        )
-        self.render = render_chatml if ch.chat_template == "chatml" else render_chat
+        probe = gateway_config(1, "round_robin")
+        tpb = probe.index.chunking.block_bytes / 4  # bytes mode: index blocks per token estimate
         # the pool's capacity_blocks: each replica's KV size in index blocks, as an operator
         # reads it off vllm:cache_config_info (None: the index's default per replica)
-        capacity = None if kv_tokens is None else int(kv_tokens // self.chunker.tokens_per_block)
+        capacity = None if kv_tokens is None else int(kv_tokens // tpb)
         cfg = gateway_config(n_replicas, policy, capacity)
-        pc = cfg.pools[POOL]
         self.name = label or (policy if isinstance(policy, str) else "custom")
         self.now = 0.0
-        self.index = MemoryIndex(cfg.index.capacity_blocks, cfg.index.ttl_s, clock=lambda: self.now)
-        self.replicas = [ReplicaState.from_config(POOL, pc, rc) for rc in pc.replicas]
-        for r in self.replicas:
-            if r.capacity_blocks:
-                self.index.set_capacity(r.name, r.capacity_blocks)
-        self.names = [r.name for r in self.replicas]
+        self.gw = Gateway(cfg)
+        self.gw.index = self._index(cfg)
+        self.pool = self.gw.pools[POOL]
+        self.pool.policy = build_policy(cfg.pools[POOL].policy, seed=seed)  # the run's seed
+        self.router = self.gw.router
+        self.replicas = self.pool.replicas
         self.slot = {r.name: i for i, r in enumerate(self.replicas)}
-        self.policy = build_policy(pc.policy, seed=seed)
-        self.scope = scope_key(MODEL)
-        self.scrape_interval_s = pc.scrape.interval_s
-        self.pending: dict[str, _Dispatch] = {}
+        self.pending: dict[str, Dispatch] = {}
+        self.predicted: dict[str, int] = {}
         self.reasons: dict[str, int] = {}
         self.overflow = 0
+        self.route_ns = [0, 0, 0]  # hash, match, choose: where the router's time goes
+
+    def _index(self, cfg: Config) -> MemoryIndex:
+        index = MemoryIndex(cfg.index.capacity_blocks, cfg.index.ttl_s, clock=lambda: self.now)
+        for r in self.gw.pools[POOL].replicas:
+            if r.capacity_blocks:
+                index.set_capacity(r.name, r.capacity_blocks)
+        return index
 
     def _scraped(self, view: Sequence[ReplicaLoad]) -> None:
         for load in view:
@@ -134,37 +130,17 @@ class GatewayRouter:
                 )
                 r.scraped_at = load.scraped_at_s
 
-    def _prompt(self, req: SimRequest) -> tuple[list[int], int]:
-        """`Pipeline.prompt_of` + `hash_prompt`: no hashes when the policy ignores them."""
-        item = req.meta.get("item")
-        chunker = self.chunker
-        needs = self.policy.needs_prefix
-        if item is not None:  # a chat request: what the gateway sees is text
-            text = self.render(item.messages)
-            hashes = chunker.hash_text(self.scope, text) if needs else []
-            return hashes, chunker.estimate_tokens(text)
-        tokens = req.prompt_tokens
-        return (chunker.hash_tokens(self.scope, _as_u32(tokens)) if needs else []), len(tokens)
-
-    def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
+    async def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
         now = self.now = req.arrival_s
         self._scraped(view)
-        hashes, n_tokens = self._prompt(req)
-        session = req.meta.get("session")
-        routed = RoutedRequest(
-            req.id,
-            MODEL,
-            self.scope,
-            POOL,
-            n_tokens,
-            hashes,
-            self.chunker.tokens_per_block,
-            max_tokens=req.max_tokens,
-            session_key=session,
-        )
-        hits = self.index.match_now(self.scope, hashes, self.names) if hashes else {}
-        views = [r.view(hits.get(r.name, 0), now) for r in self.replicas]
-        decision = self.policy.choose(routed, views)
+        kind, raw = body_of(req)
+        parsed = parse_body(kind, raw)  # type: ignore[arg-type]
+        router, pool = self.router, self.pool
+        routing = router.prepare(
+            parsed, pool, RouteInput(req.id, session_key=req.meta.get("session")),
+            router.prompt(parsed),
+        )  # fmt: skip
+        decision = await router.decide(pool, routing, now)
         name = decision.replica
         if name is None:
             self.overflow += 1
@@ -173,47 +149,22 @@ class GatewayRouter:
         else:
             reason = decision.reason
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        i = self.slot[name]
-        v = views[i]
-        hit = min(n_tokens, int(v.hit_blocks * routed.tokens_per_block))
-        replica = self.replicas[i]
-        replica.dispatched(n_tokens - hit)
-        self.pending[req.id] = _Dispatch(
-            replica, routed, hit, n_tokens - hit, v.load, v.inflight_prompt_tokens
-        )
-        return i
+        for i, ns in enumerate((routing.hash_ns, routing.match_ns, routing.choose_ns)):
+            self.route_ns[i] += ns
+        d = await router.dispatch(pool, routing, name)
+        self.pending[req.id] = d
+        self.predicted[req.id] = d.hit_tokens
+        return self.slot[name]
 
     def on_first_token(self, req: SimRequest, replica: int, t: float) -> None:
         self.now = t
-        d = self.pending[req.id]
-        if not d.prefilled:
-            d.prefilled = True
-            d.replica.prefilled(d.uncached)
-            if d.routed.block_hashes:
-                self.index.record_now(self.scope, d.replica.name, d.routed.block_hashes)
+        self.pending[req.id].prefilled()
 
-    def on_finish(self, req: SimRequest, replica: int, record: Any) -> None:
+    async def on_finish(self, req: SimRequest, replica: int, record: Any) -> None:
         self.now = record.finish_s
         d = self.pending.pop(req.id)
-        ttft = record.first_token_s - record.arrival_s
-        d.replica.succeeded()
-        d.replica.observe_ttft(ttft)
-        self.policy.observe(
-            Outcome(
-                d.replica.name,
-                d.routed.prompt_tokens,
-                d.hit_tokens,
-                d.load,
-                d.queued,
-                ttft,
-                ok=True,
-                session_key=d.routed.session_key,
-            )
-        )
-        if not d.prefilled:  # the gateway's `done()` releases the prefill count too
-            d.prefilled = True
-            d.replica.prefilled(d.uncached)
-        d.replica.finished()
+        await d.finished(True, True, record.first_token_s - record.arrival_s)
+        d.done()
 
 
 class Clairvoyant:
@@ -286,7 +237,7 @@ def _kv_tokens(cluster: Cluster) -> int:
 def _gateway(policy: str) -> RouterVariant:
     return RouterVariant(
         policy,
-        lambda c, seed: GatewayRouter(policy, len(c.engines), seed=seed, kv_tokens=_kv_tokens(c)),
+        lambda c, seed: DesRouter(policy, len(c.engines), seed=seed, kv_tokens=_kv_tokens(c)),
     )
 
 
@@ -300,18 +251,20 @@ DEFAULT_ROUTERS = (*BASELINES, *CANDIDATES, "clairvoyant")
 GATEWAY_DEFAULT = DEFAULT_POLICY
 
 
-class PreciseGatewayRouter(GatewayRouter):
-    """`GatewayRouter` in precise mode: the index also learns what each engine really stored and
+class PreciseDesRouter(DesRouter):
+    """`DesRouter` in precise mode: the index also learns what each engine really stored and
     evicted, from the engines' KV events, through the gateway's own `KvEventApplier`.
 
-    As with `index.events.enabled` in the gateway, requests hash their token ids (the blocks
-    line up with the engine's), routed entries live `routed_ttl_s`, and `match` answers the
-    better of routed and engine-reported per replica.
+    As with `index.events.enabled` in the gateway, routed entries live `routed_ttl_s` and
+    `match` answers the better of routed and engine-reported per replica. Engine blocks are
+    hashed from token ids, so they line up with the gateway's chains only where the body is
+    token ids (a token-level workload, `completion_ids`); elsewhere the routed entries answer.
     """
 
     def __init__(
         self, policy: str, cluster: Cluster, *, seed: int = 0, routed_ttl_s: float = 10.0
     ) -> None:
+        self.routed_ttl_s = routed_ttl_s
         super().__init__(
             policy,
             len(cluster.engines),
@@ -319,33 +272,36 @@ class PreciseGatewayRouter(GatewayRouter):
             kv_tokens=_kv_tokens(cluster),
             label=f"{policy}+precise",
         )
-        self.index = MemoryIndex(
-            self.index._default_capacity, None, clock=lambda: self.now, routed_ttl_s=routed_ttl_s  # noqa: SLF001
-        )
-        for r in self.replicas:
-            if r.capacity_blocks:
-                self.index.set_capacity(r.name, r.capacity_blocks)
-            self.index.set_precise(r.name)
         self.engines = cluster.engines
         for e in self.engines:
             e.cache.events = []  # the engines record KV events as a publisher would send them
+        scope = scope_key(MODEL)
+        chunker = self.gw.chunker
+        index = self.gw.index
+        assert isinstance(index, MemoryIndex)
         self.appliers = [
-            KvEventApplier(self.index, self.chunker, lambda lora: self.scope, n) for n in self.names
+            KvEventApplier(index, chunker, lambda lora: scope, r.name) for r in self.replicas
         ]
         self.block_size = cluster.config.block_size
 
-    def _prompt(self, req: SimRequest) -> tuple[list[int], int]:
-        tokens = req.prompt_tokens  # tokens mode: the ids the engine prefills
-        return self.chunker.hash_tokens(self.scope, _as_u32(tokens)), len(tokens)
+    def _index(self, cfg: Config) -> MemoryIndex:
+        index = MemoryIndex(
+            cfg.index.capacity_blocks, None, clock=lambda: self.now, routed_ttl_s=self.routed_ttl_s
+        )
+        for r in self.gw.pools[POOL].replicas:
+            if r.capacity_blocks:
+                index.set_capacity(r.name, r.capacity_blocks)
+            index.set_precise(r.name)
+        return index
 
-    async def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:  # type: ignore[override]
+    async def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
         self.now = req.arrival_s
         for engine, applier in zip(self.engines, self.appliers, strict=True):
             raw = engine.cache.events
             if raw:
                 engine.cache.events = []
                 await applier.apply(EventBatch(self.now, [self._event(e) for e in raw]))
-        return super().route(req, view)
+        return await super().route(req, view)
 
     def _event(self, e: tuple[Any, ...]) -> Any:
         if e[0] == "stored":
@@ -357,9 +313,7 @@ class PreciseGatewayRouter(GatewayRouter):
 
 
 def _precise(policy: str) -> RouterVariant:
-    return RouterVariant(
-        f"{policy}+precise", lambda c, seed: PreciseGatewayRouter(policy, c, seed=seed)
-    )
+    return RouterVariant(f"{policy}+precise", lambda c, seed: PreciseDesRouter(policy, c, seed=seed))
 
 
 ROUTERS.update({f"{p}+precise": _precise(p) for p in (DEFAULT_POLICY, "prefix_aware")})

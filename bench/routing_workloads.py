@@ -31,12 +31,15 @@ TRACE_BLOCK_TOKENS = 512  # one Mooncake hash id stands for 512 tokens
 Tokens = array
 
 
+VOCAB = 131_072  # token ids stay below a real vocabulary's size (the gateway checks their range)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def segment(key: str, n: int) -> Tokens:
-    """`n` deterministic token ids in [0, 2**32); the same key always gives the same ids."""
+    """`n` deterministic token ids in [0, VOCAB); the same key always gives the same ids."""
     ids = array("I")
     ids.frombytes(random.Random(key).randbytes(4 * n))
-    return array("q", ids)
+    return array("q", [i & (VOCAB - 1) for i in ids])
 
 
 def _join(parts: Sequence[Tokens]) -> Tokens:

@@ -194,20 +194,53 @@ class RouteConfig(_Strict):
 class ChunkingConfig(_Strict):
     mode: Literal["bytes", "tokens"] = "bytes"
     block_bytes: int = Field(64, ge=8)
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # a tokenizer.json, or a tokenizer directory holding one
     block_size: int = Field(16, ge=1)
-    chat_template: Literal["canonical", "chatml"] = (
-        "canonical"  # how chat messages become one prompt
-    )
+    # tokens mode, chat: None = the tokenizer directory's own template (ChatML when it has
+    # none), "chatml" = ChatML, else a template file (.jinja) to render with instead
+    chat_template: str | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _canonical_is_the_default(cls, v: str | None) -> str | None:
+        return None if v == "canonical" else v  # the name of the default before templates
 
     @model_validator(mode="after")
     def _tokens_need_tokenizer(self) -> ChunkingConfig:
+        if self.chat_template not in (None, "chatml") and not Path(self.chat_template).is_file():
+            raise ValueError(
+                f"chat_template: no such file {self.chat_template!r} (null: the tokenizer's "
+                "own template; chatml: ChatML; else a .jinja file)"
+            )
         if self.mode == "tokens":
             if not self.tokenizer:
                 raise ValueError("tokenizer: required when mode is tokens")
-            if not Path(self.tokenizer).is_file():
-                raise ValueError(f"tokenizer: no such file {self.tokenizer!r}")
+            path = Path(self.tokenizer)
+            if path.is_dir():
+                if not (path / "tokenizer.json").is_file():
+                    raise ValueError(
+                        f"tokenizer: directory {self.tokenizer!r} has no tokenizer.json"
+                    )
+            elif not path.is_file():
+                raise ValueError(f"tokenizer: no such file or directory {self.tokenizer!r}")
+            self._check_template()
         return self
+
+    def _check_template(self) -> None:
+        """Compile the template now, so a broken one fails the config, not the first chat."""
+        if self.chat_template == "chatml" or self.tokenizer is None:
+            return
+        key = "chat_template" if self.chat_template else "tokenizer"
+        try:
+            from prefix_index.templates import load_chat_template
+
+            load_chat_template(self.tokenizer, self.chat_template)
+        except ImportError as exc:
+            raise ValueError(
+                f"{key}: rendering a chat template needs {exc.name} (pip install 'kvgateway[tokens]')"
+            ) from None
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
 
 
 class EventsConfig(_Strict):

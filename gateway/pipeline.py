@@ -1,7 +1,8 @@
 """The request path: one short method whose lines are the steps, and what it records at the end.
 
-parse → hash → pick pool → route (index match + policy) → forward (fail over) → record. Every step
-stamps a time on the request's `Ctx`; `finish` turns the Ctx into metrics and a trace.
+parse → render → pick pool → limit → hash + match (gateway.router) → admission → choose →
+dispatch → forward (fail over). Every step stamps a time on the request's `Ctx`; `finish` turns
+the Ctx into metrics and a trace.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from typing import Any
 
 import orjson
 
-from policies.types import Decision, Outcome, ReplicaView, RoutedRequest
-from prefix_index.chunking import scope_key
+from policies.types import Decision
 
 from .errors import GatewayError, NoReplicaAvailable, NotFound, UpstreamError, UpstreamTimeout
 from .openai import Kind, ParsedRequest, parse_body
@@ -30,7 +30,7 @@ from .proxy import (
 )
 from .ratelimit import Rule, costs_for, rate_limited
 from .ratelimit import headers as ratelimit_headers
-from .replicas import ReplicaState
+from .router import Dispatch, RouteInput, Routing, cache_salt
 from .runtime import Gateway, Pool
 from .streams import StreamTap
 from .tenants import Tenant, requested_priority
@@ -67,6 +67,7 @@ class Ctx:
         default_factory=list
     )  # token rules and what was charged
     t_route: int = 0
+    stages: tuple[int, int, int] = (0, 0, 0)  # ns spent hashing, matching, choosing
     t_queue: int = 0
     t_admitted: int = 0
     t_routed: int = 0
@@ -89,6 +90,7 @@ class Pipeline:
         self, kind: Kind, raw: bytes, headers: dict[bytes, bytes], send: Send, ctx: Ctx
     ) -> None:
         gw = self.gw
+        router = gw.router
         tenant = gw.tenants.identify(headers.get(b"authorization"))
         ctx.tenant = tenant.name
         req = parse_body(kind, raw)
@@ -96,9 +98,10 @@ class Pipeline:
         ctx.priority = gw.tenants.priority_for(
             tenant, requested_priority(headers.get(b"x-priority"), req.body)
         )
-        scope, prompt, tokens = self.prompt_of(req)
+        prompt = router.prompt(req)
+        tokens = prompt[1]
         pool = self.pick_pool(req, tokens)
-        ctx.pool, ctx.prompt_tokens = pool.name, tokens
+        ctx.pool, ctx.prompt_tokens, ctx.t_route = pool.name, tokens, prompt[2]
         rid = headers.get(b"x-request-id")
         ctx.request_id = rid.decode("latin-1")[:128] if rid else os.urandom(16).hex()
         extra = [(b"x-request-id", ctx.request_id.encode("latin-1"))]
@@ -108,33 +111,38 @@ class Pipeline:
                 f"No replica of pool '{pool.name}' is available (all circuits open or draining)",
                 retry_after=pool.config.health.interval_s,
             )
+        session = headers.get(b"x-session-id")
+        inp = RouteInput(
+            ctx.request_id,
+            tenant.name,
+            ctx.priority,
+            session.decode("latin-1") if session else None,
+            tenant.cache_salt,
+        )
+        routing = router.prepare(req, pool, inp, prompt)
+        await router.match(pool, routing)  # outside admission: a Redis round trip queues no one
         ctx.t_queue = time.perf_counter_ns()
         async with gw.admission.slot(
             pool.name, tenant.name, tenant.weight, ctx.priority, pool.has_capacity
         ) as waited:
-            ctx.t_admitted = ctx.t_route = time.perf_counter_ns()
+            ctx.t_admitted = time.perf_counter_ns()
             gw.metrics.queue_wait.labels(pool.name, ctx.priority).observe(waited)
-            routed = self.routed_request(
-                req, headers, pool, scope, self.hash_prompt(pool, scope, prompt), tokens, ctx
-            )
-            decision, views = await self.route(pool, routed)
+            decision = router.choose(pool, routing)
             ctx.t_routed = time.perf_counter_ns()
-            self.count_decision(pool, routed, decision, ctx)
+            self.count_decision(pool, routing, decision, ctx)
             if decision.replica is None:
                 raise NoReplicaAvailable(
                     f"No replica of pool '{pool.name}' can take the request now ({_why(decision)})",
                     retry_after=pool.config.health.interval_s,
                 )
-            first = _Attempt.start(
-                pool, decision.ranked[0], views, routed
-            )  # counted before the next head goes
+            first = await router.dispatch(pool, routing, decision.ranked[0])  # before the next
         if gw.config.server.expose_upstream_errors and headers.get(b"x-gateway-explain") in (
             b"1",
             b"true",
         ):
             extra.append((b"x-gateway-decision", orjson.dumps(decision.explain())))
-        body = self.upstream_body(req, ctx.priority)
-        await self.forward(req, routed, pool, decision, views, first, body, send, extra, ctx)
+        body = self.upstream_body(req, ctx.priority, tenant.cache_salt)
+        await self.forward(req, routing, pool, first, body, send, extra, ctx)
 
     async def limit(
         self, tenant: Tenant, req: ParsedRequest, tokens: int, ctx: Ctx
@@ -155,10 +163,12 @@ class Pipeline:
         ctx.charged = [(r, tokens + (req.max_tokens or 0)) for r in rules if r.unit == "tokens"]
         return ratelimit_headers(verdict)
 
-    def upstream_body(self, req: ParsedRequest, priority: str) -> bytes:
+    def upstream_body(self, req: ParsedRequest, priority: str, tenant_salt: str | None) -> bytes:
         """The body as sent on: unchanged bytes unless the gateway must add or remove a field."""
         body = req.raw
         changes: dict[str, Any] = {}
+        if tenant_salt is not None:  # the engine keeps this tenant's KV apart from others'
+            changes["cache_salt"] = cache_salt(req, tenant_salt)
         if isinstance(req.body.get("priority"), str):
             changes["priority"] = None  # a class name is ours; engines expect an integer
         if self.gw.config.admission.forward_priority:
@@ -180,56 +190,6 @@ class Pipeline:
         return body
 
     # --- the steps ---------------------------------------------------------------------------
-    def prompt_of(self, req: ParsedRequest) -> tuple[str, str | list[int], int]:
-        """The prompt's scope (model + cache salt), its text (or token ids) and estimated tokens."""
-        salt = req.body.get("cache_salt")
-        scope = scope_key(req.model, salt=salt if isinstance(salt, str) else None)
-        if req.kind == "chat":
-            text = self.gw.render(req.messages)
-            return scope, text, self.gw.chunker.estimate_tokens(text)
-        prompt = req.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], list | str):
-            prompt = prompt[0]  # a batch: route by its first prompt
-        if isinstance(prompt, str):
-            return scope, prompt, self.gw.chunker.estimate_tokens(prompt)
-        return scope, prompt, len(prompt)
-
-    def hash_prompt(self, pool: Pool, scope: str, prompt: str | list[int]) -> list[int]:
-        """Chained hashes of the prompt's full blocks (none when the pool's policy ignores them)."""
-        if not pool.policy.needs_prefix:
-            return []
-        chunker = self.gw.chunker
-        return (
-            chunker.hash_text(scope, prompt)
-            if isinstance(prompt, str)
-            else chunker.hash_tokens(scope, prompt)
-        )
-
-    def routed_request(
-        self,
-        req: ParsedRequest,
-        headers: dict[bytes, bytes],
-        pool: Pool,
-        scope: str,
-        hashes: list[int],
-        tokens: int,
-        ctx: Ctx,
-    ) -> RoutedRequest:
-        session = headers.get(b"x-session-id")
-        return RoutedRequest(
-            request_id=ctx.request_id,
-            model=req.model,
-            scope=scope,
-            pool=pool.name,
-            prompt_tokens=tokens,
-            block_hashes=hashes,
-            tokens_per_block=self.gw.chunker.tokens_per_block,
-            max_tokens=req.max_tokens,
-            session_key=session.decode("latin-1") if session else req.user,
-            priority=ctx.priority,
-            tenant=ctx.tenant,
-        )
-
     def pick_pool(self, req: ParsedRequest, prompt_tokens: int) -> Pool:
         name = self.gw.config.pool_for(req.model, prompt_tokens)
         if name is None:
@@ -239,25 +199,12 @@ class Pipeline:
             )
         return self.gw.pools[name]
 
-    async def route(self, pool: Pool, routed: RoutedRequest) -> tuple[Decision, list[ReplicaView]]:
-        hits: dict[str, int] = {}
-        index = self.gw.index
-        if routed.block_hashes and index is not None:
-            hits = await index.match(
-                routed.scope, routed.block_hashes, [r.name for r in pool.replicas]
-            )
-        now = time.monotonic()
-        views = [r.view(hits.get(r.name, 0), now) for r in pool.replicas]
-        return pool.policy.choose(routed, views), views
-
     async def forward(
         self,
         req: ParsedRequest,
-        routed: RoutedRequest,
+        routing: Routing,
         pool: Pool,
-        decision: Decision,
-        views: list[ReplicaView],
-        first: _Attempt,
+        first: Dispatch,
         body: bytes,
         send: Send,
         extra: list[tuple[bytes, bytes]],
@@ -269,7 +216,7 @@ class Pipeline:
         up_headers = [
             (b"content-type", b"application/json"),
             (b"accept-encoding", b"identity"),
-            (b"x-request-id", routed.request_id.encode("latin-1")),
+            (b"x-request-id", routing.routed.request_id.encode("latin-1")),
         ]
         if pc.upstream_api_key is not None:
             up_headers.append(
@@ -285,11 +232,13 @@ class Pipeline:
         deadline = (
             time.monotonic() + pc.timeouts.total_s
         )  # total_s bounds the whole request, retries included
-        attempt: _Attempt | None = first
-        candidates = iter(decision.ranked[1 : pc.retries + 1])
+        assert routing.decision is not None
+        router = self.gw.router
+        attempt: Dispatch | None = first
+        candidates = iter(routing.decision.ranked[1 : pc.retries + 1])
         while attempt is not None:
             current = attempt
-            replica, name = current.replica, current.replica.name
+            name = current.replica.name
             ctx.tried.append(name)
             t_sent = time.perf_counter_ns()
             ctx.t_sent = ctx.t_sent or t_sent
@@ -297,11 +246,12 @@ class Pipeline:
             try:
                 if left <= 0:
                     timed_out = True
+                    await current.failed("timeout (total_s)")
                     break
                 try:
                     opened = await open_upstream(
                         self.gw.upstream,
-                        replica.url,
+                        current.replica.url,
                         path,
                         body,
                         up_headers,
@@ -310,35 +260,22 @@ class Pipeline:
                         left,
                     )
                 except Retryable as exc:
-                    replica.failed(exc.reason)
+                    await current.failed(exc.reason)
                     failures.append(f"{name}: {exc.reason}")
                     timed_out = timed_out or exc.reason.startswith("timeout")
                     self.gw.metrics.attempts.labels(pool.name, name, _attempt_outcome(exc)).inc()
                     nxt = next(candidates, None)
-                    attempt = _Attempt.start(pool, nxt, views, routed) if nxt else None
+                    attempt = await router.dispatch(pool, routing, nxt) if nxt else None
                     continue
                 ctx.t_first = time.perf_counter_ns()
                 ctx.replica, ctx.status = name, opened.resp.status
                 current.prefilled()
-                await self.deliver(req, routed, pool, opened, send, extra, ctx)
+                await self.deliver(req, opened, send, extra, ctx)
                 ok = opened.resp.status < 500 and ctx.outcome == "ok"
-                replica.succeeded() if ok else replica.failed(f"upstream {ctx.outcome}")
                 # the replica's own TTFT (sent -> first byte), not the client's: no queue time in it
                 ttft_s = (ctx.t_first - t_sent) / 1e9 if req.stream and ctx.status == 200 else None
-                if ttft_s is not None:
-                    replica.observe_ttft(ttft_s)
-                v = current.view
-                pool.policy.observe(
-                    Outcome(
-                        name,
-                        routed.prompt_tokens,
-                        current.hit_tokens,
-                        v.load,
-                        v.inflight_prompt_tokens,
-                        ttft_s,
-                        ok=ok,
-                        session_key=routed.session_key,
-                    )
+                await current.finished(
+                    ok, ctx.status == 200, ttft_s, f"upstream {ctx.outcome}"
                 )
                 return
             finally:
@@ -355,14 +292,12 @@ class Pipeline:
     async def deliver(
         self,
         req: ParsedRequest,
-        routed: RoutedRequest,
-        pool: Pool,
         opened: Opened,
         send: Send,
         extra: list[tuple[bytes, bytes]],
         ctx: Ctx,
     ) -> None:
-        """Relay the chosen replica's answer; learn its blocks once it has prefilled them."""
+        """Relay the chosen replica's answer and read its usage."""
         status = opened.resp.status
         if status != 200:
             body = normalize_error_body(
@@ -372,15 +307,9 @@ class Pipeline:
             ctx.outcome, ctx.error_type = "upstream_error", f"upstream_{status}"
             ctx.t_last = time.perf_counter_ns()
             return
-        index = self.gw.index
         if req.stream:
             tap = StreamTap(strip_usage=not req.include_usage)
-
-            async def learn() -> None:  # prefill is done: the replica holds the prompt's blocks
-                if index is not None and routed.block_hashes:
-                    await index.record(routed.scope, ctx.replica, routed.block_hashes)
-
-            broke = await relay_stream(opened, send, extra, tap, learn)
+            broke = await relay_stream(opened, send, extra, tap)
             ctx.t_last = time.perf_counter_ns()
             if broke is not None:
                 ctx.outcome, ctx.error_type = "broken_mid_stream", broke.type
@@ -388,8 +317,6 @@ class Pipeline:
         else:
             await send_whole(opened, send, extra)
             ctx.t_last = time.perf_counter_ns()
-            if index is not None and routed.block_hashes:
-                await index.record(routed.scope, ctx.replica, routed.block_hashes)
             usage = opened.parsed.get("usage") if opened.parsed is not None else None
             usage = usage if isinstance(usage, dict) else None
         if usage is not None:
@@ -401,16 +328,16 @@ class Pipeline:
             )
 
     # --- what is recorded ------------------------------------------------------------------------
-    def count_decision(
-        self, pool: Pool, routed: RoutedRequest, decision: Decision, ctx: Ctx
-    ) -> None:
+    def count_decision(self, pool: Pool, routing: Routing, decision: Decision, ctx: Ctx) -> None:
         m = self.gw.metrics
+        routed = routing.routed
         ctx.policy, ctx.reason = decision.policy, decision.reason
         ctx.prompt_blocks, ctx.predicted_hit_blocks = (
             len(routed.block_hashes),
             decision.predicted_hit_blocks,
         )
-        m.routing_time.labels(pool.name).observe((ctx.t_routed - ctx.t_route) / 1e9)
+        ctx.stages = (routing.hash_ns, routing.match_ns, routing.choose_ns)
+        m.routing_time.labels(pool.name).observe(sum(ctx.stages) / 1e9)
         m.decisions.labels(pool.name, decision.policy, decision.reason).inc()
         # kept as a tuple; turned into JSON only when someone looks (/debug/decisions, /dashboard)
         self.gw.recent.append(
@@ -491,7 +418,8 @@ class Pipeline:
         assert tr is not None
         ep = tr.epoch_ns
         queue = (ep(ctx.t_queue), ep(ctx.t_admitted)) if ctx.t_admitted else None
-        route = (ep(ctx.t_route), ep(ctx.t_routed)) if ctx.t_routed else None
+        # hash + match run before the admission queue, choose after it (in stage attributes)
+        route = (ep(ctx.t_route), ep(ctx.t_queue)) if ctx.t_queue else None
         prefill = (ep(ctx.t_sent), ep(ctx.t_first)) if ctx.t_first else None
         decode = (
             (ep(ctx.t_first), ep(ctx.t_last)) if ctx.stream and ctx.t_last and ctx.t_first else None
@@ -513,6 +441,9 @@ class Pipeline:
                 "prompt_tokens_estimated": ctx.prompt_tokens,
                 "prompt_blocks": ctx.prompt_blocks,
                 "predicted_cached_blocks": ctx.predicted_hit_blocks,
+                "route_hash_us": ctx.stages[0] // 1000 if ctx.t_routed else None,
+                "route_match_us": ctx.stages[1] // 1000 if ctx.t_routed else None,
+                "route_choose_us": ctx.stages[2] // 1000 if ctx.t_routed else None,
                 "input_tokens": ctx.input_tokens,
                 "output_tokens": ctx.output_tokens,
                 "retries": max(0, len(ctx.tried) - 1),
@@ -522,43 +453,6 @@ class Pipeline:
             },
             error_type=ctx.error_type if ctx.outcome != "ok" else None,
         )
-
-
-class _Attempt:
-    """One dispatch to one replica: counted in its in-flight load at once, released exactly once."""
-
-    __slots__ = ("replica", "view", "hit_tokens", "uncached", "_prefilled", "_done")
-
-    def __init__(
-        self, replica: ReplicaState, view: ReplicaView, hit_tokens: int, uncached: int
-    ) -> None:
-        self.replica, self.view, self.hit_tokens, self.uncached = (
-            replica,
-            view,
-            hit_tokens,
-            uncached,
-        )
-        self._prefilled = self._done = False
-        replica.dispatched(uncached)
-
-    @classmethod
-    def start(
-        cls, pool: Pool, name: str, views: list[ReplicaView], routed: RoutedRequest
-    ) -> _Attempt:
-        view = next(v for v in views if v.name == name)
-        hit = min(routed.prompt_tokens, int(view.hit_blocks * routed.tokens_per_block))
-        return cls(pool.by_name[name], view, hit, routed.prompt_tokens - hit)
-
-    def prefilled(self) -> None:
-        if not self._prefilled:
-            self._prefilled = True
-            self.replica.prefilled(self.uncached)
-
-    def done(self) -> None:
-        if not self._done:
-            self._done = True
-            self.prefilled()
-            self.replica.finished()
 
 
 def _why(decision: Decision) -> str:

@@ -71,6 +71,8 @@ class ReplicaState:
     draining: bool = False
     inflight: int = 0
     inflight_prompt_tokens: int = 0
+    placed_blocks: int = 0  # blocks new to this replica routed to it, ever (cold placement)
+    unrecords: int = 0  # failed dispatches whose unconfirmed blocks left the index
     load: LoadSample | None = None
     scraped_at: float = 0.0
     ttft_ewma_s: float | None = None
@@ -140,12 +142,14 @@ class ReplicaState:
             kv_usage=None if load is None else load.kv_usage,
             hit_blocks=hit_blocks,
             ttft_ewma_s=self.ttft_ewma_s,
+            placed_blocks=self.placed_blocks,
         )
 
     # --- what the proxy reports ------------------------------------------------------------
-    def dispatched(self, uncached_prompt_tokens: int) -> None:
+    def dispatched(self, uncached_prompt_tokens: int, new_blocks: int = 0) -> None:
         self.inflight += 1
         self.inflight_prompt_tokens += uncached_prompt_tokens
+        self.placed_blocks += new_blocks
 
     def prefilled(self, uncached_prompt_tokens: int) -> None:
         self.inflight_prompt_tokens = max(0, self.inflight_prompt_tokens - uncached_prompt_tokens)

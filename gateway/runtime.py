@@ -21,7 +21,7 @@ import aiohttp
 
 from policies import Policy, build_policy
 from prefix_index import PrefixIndex, open_index
-from prefix_index.chunking import Chunker, make_chunker, render_chat, render_chatml
+from prefix_index.chunking import Chunker, make_chunker
 
 from .admission import Admission, shed_all
 from .config import Config, PoolConfig, ReplicaConfig
@@ -29,6 +29,7 @@ from .discovery import DiscoveryConfig, DiscoveryError
 from .kv_events import KvEvents, check_parity
 from .ratelimit import RateLimiter, open_rate_limiter
 from .replicas import ReplicaMonitor, ReplicaState
+from .router import Router
 from .telemetry import Metrics
 from .tenants import TenantDirectory
 from .tracing import Tracing
@@ -45,6 +46,7 @@ class Pool:
     replicas: list[ReplicaState]
     policy: Policy
     by_name: dict[str, ReplicaState]
+    dispatches: int = 0  # dispatches counted so far (a match older than the last is re-checked)
 
     def has_capacity(self) -> bool:
         """Some replica can take a request now (admission's gate; synchronous, cheap)."""
@@ -59,7 +61,11 @@ class Pool:
 def _chunker(config: Config) -> Chunker:
     ch = config.index.chunking
     return make_chunker(
-        ch.mode, block_bytes=ch.block_bytes, tokenizer=ch.tokenizer, block_size=ch.block_size
+        ch.mode,
+        block_bytes=ch.block_bytes,
+        tokenizer=ch.tokenizer,
+        block_size=ch.block_size,
+        chat_template=ch.chat_template,
     )
 
 
@@ -73,9 +79,7 @@ class Gateway:
         self.metrics = Metrics()
         self.tracing = tracing if tracing is not None else Tracing(config.tracing)
         self.chunker: Chunker = _chunker(config)
-        self.render = (
-            render_chatml if config.index.chunking.chat_template == "chatml" else render_chat
-        )
+        self.router = Router(self)  # reads chunker and index from here on every request
         self.kv_events: KvEvents | None = None
         self.parity: dict[str, int] = {}  # replica -> 1 same token ids, 0 different, -1 unknown
         self.tenants = TenantDirectory(config.auth, config.tenants, config.priority_classes)
@@ -208,7 +212,6 @@ class Gateway:
 
     def fall_back_to_bytes(self) -> None:
         self.chunker = make_chunker("bytes", block_bytes=self.config.index.chunking.block_bytes)
-        self.render = render_chat
         if self.kv_events is not None:
             events, self.kv_events = self.kv_events, None
             for name in list(events.subscribers):
@@ -372,6 +375,7 @@ class Gateway:
                 block_bytes=ch.block_bytes,
                 tokenizer=ch.tokenizer,
                 block_size=ch.block_size,
+                chat_template=ch.chat_template,
             )
         kept = {id(r) for p in pools.values() for r in p.replicas}
         gone = [r for r in self.all_replicas() if id(r) not in kept]

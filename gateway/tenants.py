@@ -81,6 +81,9 @@ class TenantConfig(_Strict):
     allowed_priorities: tuple[str, ...] | None = None  # None: only `priority`
     limits: LimitsConfig = LimitsConfig()
     weight: float = Field(default=1.0, gt=0)
+    # A secret the gateway sends as `cache_salt` (before the client's own salt): the engine then
+    # shares none of this tenant's KV blocks with other tenants, and the index scopes them apart.
+    cache_salt: SecretStr | None = Field(default=None, min_length=8)
 
     @field_validator("api_keys")
     @classmethod
@@ -154,6 +157,7 @@ class Tenant:
     allowed_priorities: frozenset[str]  # always holds `priority`
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     weight: float = 1.0
+    cache_salt: str | None = None  # sent to the engine as cache_salt: this tenant's KV is its own
 
     def rules(self, model: str) -> list[Rule]:
         """Buckets for a request to `model`: tenant-wide, then the first matching per-model glob."""
@@ -167,7 +171,8 @@ class Tenant:
 
 def _tenant(c: TenantConfig) -> Tenant:
     allowed = frozenset(c.allowed_priorities or ()) | {c.priority}
-    return Tenant(c.name, c.priority, allowed, c.limits, c.weight)
+    salt = c.cache_salt.get_secret_value() if c.cache_salt is not None else None
+    return Tenant(c.name, c.priority, allowed, c.limits, c.weight, salt)
 
 
 def requested_priority(header: bytes | None, body: Mapping[str, Any]) -> str | None:

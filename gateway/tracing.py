@@ -51,8 +51,9 @@ Segment = tuple[int, int]
 
 DEFAULT_SERVICE_NAME = "kv-gateway"
 ROOT_SPAN = "gateway.request"
-# the child spans of the root, in the order a request passes through them
-SEGMENTS = ("gateway.queue", "gateway.route", "upstream.prefill", "upstream.decode")
+# the child spans of the root, in the order a request passes through them: the route span is hash
+# + index match, before the admission queue; the policy's choice (microseconds) ends the queue
+SEGMENTS = ("gateway.route", "gateway.queue", "upstream.prefill", "upstream.decode")
 
 # keyword of RequestTrace.set / key of finish(attrs=...) → span attribute name
 ATTRIBUTES: dict[str, str] = {
@@ -66,6 +67,9 @@ ATTRIBUTES: dict[str, str] = {
     "input_tokens": "gen_ai.usage.input_tokens",
     "prompt_tokens_estimated": "gateway.prompt_tokens.estimated",
     "predicted_cached_blocks": "gateway.prefix.predicted_cached_blocks",
+    "route_hash_us": "gateway.route.hash_us",
+    "route_match_us": "gateway.route.match_us",
+    "route_choose_us": "gateway.route.choose_us",
     "prompt_blocks": "gateway.prefix.prompt_blocks",
     "output_tokens": "gen_ai.usage.output_tokens",
     "ttft_s": "gateway.ttft_s",
@@ -321,7 +325,7 @@ class RequestTrace:
         tracer = self._tracer
         parent = trace.set_span_in_context(span, Context())
         prev = self.start_ns
-        for name, seg in zip(SEGMENTS, (queue, route, prefill, decode), strict=True):
+        for name, seg in zip(SEGMENTS, (route, queue, prefill, decode), strict=True):
             if seg is None:
                 continue
             s = max(seg[0], prev)

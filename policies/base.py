@@ -19,6 +19,7 @@ from policies.types import Decision, Outcome, ReplicaView, RoutedRequest
 BY_SCORE = "score"
 TIE = "tie"
 GUARD = "guard"
+COLD = "cold"  # no candidate holds any of the prompt's blocks: placed by load and cache balance
 ONLY_CANDIDATE = "only_candidate"
 NO_CANDIDATES = "no_candidates"
 

@@ -22,9 +22,11 @@ PREFIX_AWARE = _spec(
     picker="max_score",
     guard=_GUARD,
 )
-# Predicted time to first token, learned per replica from outcomes, with the queue scorer as a
-# tie-breaker (weight 1 of 4) and no guard; bench/routing.py measured why (docs/routing-benchmark.md).
-TTFT = _spec(scorers=MappingProxyType({"ttft": 3, "queue": 1}), picker="max_score", guard=False)
+# Predicted time to first token, learned per replica from outcomes; near ties (the picker's slack)
+# go to the replica holding more of the prompt, then to fewer requests, then to fewer placed
+# blocks. No request-count scorer: counting requests that only decode sends repeats away from
+# their prefix (a burst on a new prompt would be prefilled everywhere). No guard.
+TTFT = _spec(scorers=MappingProxyType({"ttft": 1}), picker="max_score", guard=False)
 # Dynamo-like: lowest (uncached prefill blocks + held blocks) wins; the cost already has load.
 COST_BLOCKS = _spec(scorers=MappingProxyType({"cost_blocks": 1}), picker="max_score", guard=False)
 # llm-d's "sticky until saturated".

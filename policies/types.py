@@ -58,6 +58,7 @@ class ReplicaView:
     kv_usage: float | None = None  # 0..1
     hit_blocks: int = 0  # leading blocks of this request's chain the index says it holds
     ttft_ewma_s: float | None = None  # recent observed TTFT
+    placed_blocks: int = 0  # blocks new to this replica the gateway has routed to it, ever
 
     @property
     def load(self) -> int:

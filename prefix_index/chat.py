@@ -1,6 +1,7 @@
-"""Canonical, append-only rendering of OpenAI chat messages into one string for hashing.
+"""Chat messages -> one string shaped like an engine's prompt, for hashing in bytes mode.
 
-Fields are length-prefixed, so no content can forge a boundary; earlier turns render to a prefix.
+Like a chat template: a role marker, the content bytes, a separator, message after message. No
+length prefixes, so equal leading content gives equal leading blocks whatever follows it.
 """
 
 from __future__ import annotations
@@ -11,80 +12,75 @@ from typing import Any
 import orjson
 import xxhash
 
-# One message starts with MESSAGE; every field is `<tag><length in characters>:<value>`. A value
-# is read by its length, never scanned for a separator, so content cannot end a field early.
-MESSAGE = "\x1e"
-TAG_ROLE = "r"
-TAG_NAME = "n"
-TAG_TEXT = "t"  # a text part (a string `content` is one text part)
-TAG_MEDIA = "m"  # a non-text part: "<type>:<digest of the part>"
-TAG_TOOL_CALL = "c"  # nested fields: id, name, arguments
-TAG_TOOL_CALL_ID = "k"
-TAG_OTHER = "x"  # any other key of the message, as canonical JSON
-
-_KNOWN = frozenset({"role", "name", "content", "tool_calls", "tool_call_id"})
+# Marker bytes no text normally holds. A prompt that contains them can at worst make the gateway
+# predict a hit the engine does not have (a mispredicted hit); tenants, models, adapters and
+# salts are kept apart by the chain's scope, never by the rendering.
+START = "\x1e"  # before each message: START role [":" name] "\n"
+END = "\x1f\n"  # after each message's content and tool calls
+PART_SEP = "\n"  # between the text parts of one content, as engines join them
 _JSON_OPTS = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
+_KNOWN = frozenset({"role", "name", "content", "tool_calls", "tool_call_id"})
 
 
 def render_chat(messages: Sequence[Mapping[str, Any]]) -> str:
-    """Render chat messages so that equal strings mean equal conversations.
+    """Render chat messages the way a chat template does in shape (append-only).
 
-    Rendering is append-only: `render_chat(m[:k])` is a prefix of `render_chat(m)`. A string
-    `content` and a list holding one text part with the same text render alike; images, audio
-    and other parts become a digest of their canonical JSON.
+    `render_chat(m[:k])` is a prefix of `render_chat(m)`, and a message's content starts right
+    after its role marker, so two prompts whose engine renderings share leading bytes share
+    leading bytes here too. Text parts are joined by newlines (as vLLM joins them for string
+    templates); an image, audio or file part becomes `<type:digest>` of its canonical JSON (the
+    engine keys its KV by the media's content hash); tool calls follow the content as JSON.
     """
     out: list[str] = []
     for message in messages:
-        out.append(MESSAGE)
         _render_message(message, out)
     return "".join(out)
 
 
-def _field(out: list[str], tag: str, value: str) -> None:
-    out.append(f"{tag}{len(value)}:")
-    out.append(value)
-
-
-def _render_message(message: Mapping[str, Any], out: list[str]) -> None:
+def _render_message(message: Any, out: list[str]) -> None:
     if not isinstance(message, Mapping):
-        _field(out, TAG_OTHER, _canonical(message))
+        out.append(f"{START}?\n{_canonical(message)}{END}")
         return
-    _field(out, TAG_ROLE, _text(message.get("role", "")))
+    role = _text(message.get("role", ""))
     name = message.get("name")
-    if name is not None:
-        _field(out, TAG_NAME, _text(name))
+    out.append(f"{START}{role}:{_text(name)}\n" if name is not None else f"{START}{role}\n")
+    call_id = message.get("tool_call_id")
+    if call_id is not None:  # a tool result: which call it answers, before its content
+        out.append(f"[{_text(call_id)}]")
     _render_content(message.get("content"), out)
     calls = message.get("tool_calls")
     if isinstance(calls, Sequence) and not isinstance(calls, str):
         for call in calls:
-            _field(out, TAG_TOOL_CALL, _tool_call(call))
+            out.append(f"\n<call>{_tool_call(call)}</call>")
     elif calls is not None:
-        _field(out, TAG_TOOL_CALL, _canonical(calls))
-    call_id = message.get("tool_call_id")
-    if call_id is not None:
-        _field(out, TAG_TOOL_CALL_ID, _text(call_id))
+        out.append(f"\n<call>{_canonical(calls)}</call>")
     other = {k: v for k, v in message.items() if k not in _KNOWN and v is not None}
     if other:
-        _field(out, TAG_OTHER, _canonical(other))
+        out.append(f"\n{_canonical(other)}")
+    out.append(END)
 
 
 def _render_content(content: Any, out: list[str]) -> None:
     if content is None:
         return
     if isinstance(content, str):
-        _field(out, TAG_TEXT, content)
+        out.append(content)
         return
     if not isinstance(content, Sequence) or isinstance(content, bytes | bytearray):
-        _field(out, TAG_OTHER, _canonical(content))
+        out.append(_canonical(content))
         return
+    first = True
     for part in content:
+        if not first:
+            out.append(PART_SEP)
+        first = False
         if isinstance(part, str):
-            _field(out, TAG_TEXT, part)
+            out.append(part)
         elif isinstance(part, Mapping) and part.get("type") == "text":
-            _field(out, TAG_TEXT, _text(part.get("text", "")))
+            out.append(_text(part.get("text", "")))
         else:
             kind = part.get("type", "") if isinstance(part, Mapping) else ""
-            _field(out, TAG_MEDIA, f"{_text(kind)}:{digest(part)}")
+            out.append(f"<{_text(kind)}:{media_digest(part)}>")
 
 
 def _tool_call(call: Any) -> str:
@@ -93,11 +89,8 @@ def _tool_call(call: Any) -> str:
     function = call.get("function")
     function = function if isinstance(function, Mapping) else {}
     arguments = function.get("arguments", "")
-    inner: list[str] = []
-    _field(inner, "i", _text(call.get("id", "")))
-    _field(inner, "f", _text(function.get("name", "")))
-    _field(inner, "a", arguments if isinstance(arguments, str) else _canonical(arguments))
-    return "".join(inner)
+    args = arguments if isinstance(arguments, str) else _canonical(arguments)
+    return f"{_text(function.get('name', ''))}({args})#{_text(call.get('id', ''))}"
 
 
 def _text(value: Any) -> str:
@@ -113,11 +106,22 @@ def digest(value: Any) -> str:
     return xxhash.xxh3_128_hexdigest(orjson.dumps(value, option=_JSON_OPTS, default=str))
 
 
-def render_chatml(messages: Sequence[Mapping[str, Any]]) -> str:
-    """Messages as the ChatML template renders them (Qwen's and the simulator's format), so that in
-    tokens mode a chat prompt tokenizes to the ids the engine prefills: `<|im_start|>role\\n
-    content<|im_end|>\\n` per message, then `<|im_start|>assistant\\n`. Text parts of a list content
-    are joined by newlines; `developer` renders as `system`."""
+def media_digest(part: Any) -> str:
+    """The digest of a media part's content, what the engine keys its KV by (vLLM's mm_hash).
+
+    An image sent by URL or as a data URL hashes by that URL string; a part's other fields
+    (`detail`, ...) join the digest, since they may change what the engine encodes.
+    """
+    return digest(part)
+
+
+def render_chatml(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+) -> str:
+    """Messages as the ChatML template renders them (Qwen's and the simulator's default format):
+    `<|im_start|>role\\ncontent<|im_end|>\\n` per message, then `<|im_start|>assistant\\n`. Text
+    parts of a list content are joined by newlines; `developer` renders as `system`. Used in
+    tokens mode when the tokenizer directory has no chat template of its own."""
     out = []
     for m in messages:
         role = str(m.get("role", "user"))
@@ -128,5 +132,6 @@ def render_chatml(messages: Sequence[Mapping[str, Any]]) -> str:
                 str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type") == "text"
             )
         out.append(f"<|im_start|>{role}\n{content or ''}<|im_end|>\n")
-    out.append("<|im_start|>assistant\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
     return "".join(out)

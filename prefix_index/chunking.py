@@ -9,8 +9,8 @@ import os
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import xxhash
 
@@ -58,6 +58,10 @@ class Chunker(Protocol):
 
     mode: str
     tokens_per_block: float  # converts blocks to (estimated) tokens
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str | list[int]:
+        """What a chat request's prompt is hashed as: text (bytes mode) or token ids."""
+        ...
 
     def hash_text(self, scope: str, text: str) -> list[int]: ...
 
@@ -156,6 +160,9 @@ class ByteChunker:
         self._seeds = _Seeds()
         self._hasher = ChainHasher()
 
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        return render_chat(messages)
+
     def hash_text(self, scope: str, text: str) -> list[int]:
         seed = self._seeds.get(scope, _DOMAIN_TEXT)
         return self._hasher.chain(text.encode("utf-8"), self.block_bytes, seed)
@@ -175,10 +182,17 @@ class ByteChunker:
 
 
 class TokenChunker:
-    """Tokens mode: a local `tokenizer.json` gives token ids, chunked into `block_size` tokens.
+    """Tokens mode: a local tokenizer gives token ids, chunked into `block_size` tokens.
 
-    The file is read with the `tokenizers` package; nothing is ever downloaded. Construction
-    reads the file (blocking): build it at startup, not on the request path.
+    `tokenizer_path` is a `tokenizer.json` file or a Hugging Face tokenizer directory holding
+    one (and `tokenizer_config.json` / `chat_template.jinja`). A chat renders with the
+    directory's own chat template and tokenizes without adding special tokens (the template
+    holds them; vLLM does the same), else as ChatML like a completion prompt. `chat_template`:
+    None for that default, "chatml" to force ChatML, or a template file to use instead.
+    Completion text (`hash_text`) gets the tokenizer's special tokens, as vLLM adds them.
+
+    Nothing is ever downloaded. Construction reads the files and compiles the template
+    (blocking): build it at startup, not on the request path.
     """
 
     mode = "tokens"
@@ -189,15 +203,23 @@ class TokenChunker:
         block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         add_special_tokens: bool = True,
+        chat_template: str | os.PathLike[str] | None = None,
     ) -> None:
+        from prefix_index.templates import load_chat_template
+
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         path = os.fspath(tokenizer_path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"tokenizer file not found: {file}")
         from tokenizers import Tokenizer  # optional dependency (the `tokens` extra)
 
-        self._tokenizer = Tokenizer.from_file(path)
+        self._tokenizer = Tokenizer.from_file(file)
+        self._template = (
+            None if chat_template == "chatml" else load_chat_template(path, chat_template)
+        )
+        self.chat_template_origin = "chatml" if self._template is None else self._template.origin
         self.block_size = block_size
         self.tokens_per_block = float(block_size)
         self._special = add_special_tokens
@@ -213,6 +235,20 @@ class TokenChunker:
             return last[1]
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=self._special).ids
         self._last = (text, ids)
+        return ids
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The token ids the engine prefills for a chat (with its generation prompt)."""
+        template = self._template
+        if template is None:
+            return self.encode(render_chatml(messages))
+        try:
+            text = template.render(messages)
+        except Exception:  # noqa: BLE001 - hashing never fails a request
+            # The template rejects these messages (a bad role order, say): the engine answers
+            # the client's error; the gateway still routes, by a rendering of its own.
+            return self.encode(render_chatml(messages))
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
         return ids
 
     def hash_text(self, scope: str, text: str) -> list[int]:
@@ -242,8 +278,12 @@ def make_chunker(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     tokenizer: str | os.PathLike[str] | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    chat_template: str | os.PathLike[str] | None = None,
 ) -> Chunker:
-    """Build the chunker that `index.chunking` names (`mode: bytes` or `mode: tokens`)."""
+    """Build the chunker that `index.chunking` names (`mode: bytes` or `mode: tokens`).
+
+    `chat_template` (tokens mode only): None for the tokenizer directory's own template,
+    "chatml", or a template file; see TokenChunker."""
     if mode == "bytes":
         return ByteChunker(block_bytes)
     if mode == "tokens":
@@ -251,5 +291,5 @@ def make_chunker(
             raise ValueError(
                 "index.chunking.tokenizer is required when index.chunking.mode is tokens"
             )
-        return TokenChunker(tokenizer, block_size)
+        return TokenChunker(tokenizer, block_size, chat_template=chat_template)
     raise ValueError(f"index.chunking.mode must be one of {', '.join(MODES)}, got {mode!r}")

@@ -124,6 +124,12 @@ class MemoryIndex:
 
     # -- the same, synchronous (for callers that are not coroutines) --------------------------
 
+    def match_local(
+        self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
+    ) -> dict[str, int]:
+        """`match` without awaiting (the router re-checks a match that dispatches overtook)."""
+        return self.match_now(scope, hashes, replicas)
+
     def match_now(
         self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
     ) -> dict[str, int]:

@@ -357,6 +357,12 @@ class RedisIndex:
                 pass
         await self._execute([("DEL", scopes_key), ("SREM", replicas_key(ns), replica)])
 
+    def match_local(
+        self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
+    ) -> dict[str, int] | None:
+        """This gateway's own writes, matched without a round trip (None: no local view)."""
+        return None if self._local is None else self._local.match_now(scope, hashes, replicas)
+
     # -- outage ---------------------------------------------------------------------------------
 
     def _local_answer(

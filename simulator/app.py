@@ -77,9 +77,11 @@ def create_app(replica: Replica) -> Starlette:
                 raise bad("messages must be a list", "messages")
             add_gen = body.get("add_generation_prompt", True) is not False
             try:
-                tokens = tok.encode(tok.render_chat(body["messages"], add_gen))
-            except (ValueError, AttributeError):
+                tokens = tok.encode_chat(body["messages"], add_gen)
+            except AttributeError:
                 raise bad("messages must be objects with role and content", "messages") from None
+            except ValueError as exc:  # a content of the wrong type, or the template rejects it
+                raise bad(str(exc), "messages") from None
         elif isinstance(body["prompt"], str):
             tokens = tok.encode(body["prompt"])
         else:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from simulator.config import KV_EVENTS_ENCODINGS, OutputLengths
 from simulator.fleet import Fleet
 from simulator.profiles import load_gpus, load_models
+from simulator.tokenizer import TokenizerJson
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,7 +52,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-attention", action="store_true",
                    help="add attention FLOPs (quadratic in context) to prefill time")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="a local tokenizer.json (default: the built-in byte tokenizer)")
+                   help="a local tokenizer.json, or a tokenizer directory whose chat template "
+                        "renders chats (default: the built-in byte tokenizer)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="with --tokenizer: a .jinja chat template to use instead of the "
+                        "tokenizer's own (as vLLM's --chat-template)")
     p.add_argument("--kv-events-port", type=int, default=None, metavar="BASE",
                    help="publish KV cache events: replica i on tcp://HOST:BASE+2i, replay on "
                         "BASE+2i+1 (needs pyzmq and msgspec)")
@@ -61,6 +66,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def fleet_from_args(args: argparse.Namespace) -> Fleet:
+    if args.chat_template and not args.tokenizer:
+        raise ValueError("--chat-template needs --tokenizer")
     return Fleet(
         n=args.replicas, model=args.model, gpu=args.gpu, speedup=args.speedup, seed=args.seed,
         base_port=args.port, host=args.host, served_model_name=args.served_model_name,
@@ -73,7 +80,9 @@ def fleet_from_args(args: argparse.Namespace) -> Fleet:
         output_lengths=OutputLengths.parse(args.output_len),
         step_overhead_s=args.step_overhead_ms / 1000.0,
         prefill_attention=args.prefill_attention,
-        tokenizer=args.tokenizer, kv_events_port=args.kv_events_port,
+        tokenizer=(TokenizerJson(args.tokenizer, chat_template=args.chat_template)
+                   if args.tokenizer else None),
+        kv_events_port=args.kv_events_port,
         kv_events_encoding=args.kv_events_encoding,
     )
 

@@ -58,7 +58,7 @@ def chat_requests(items: Iterable[ChatItem], tokenizer: Tokenizer | None = None,
     """Chat workload entries as SimRequests: messages rendered and tokenized the way a
     replica's HTTP endpoint would (`meta["item"]` keeps the entry)."""
     tok = tokenizer or ByteTokenizer()
-    return [SimRequest(f"req-{i}", it.arrival_s, tok.encode(tok.render_chat(it.messages)),
+    return [SimRequest(f"req-{i}", it.arrival_s, tok.encode_chat(it.messages),
                        it.max_tokens, meta={"item": it}) for i, it in enumerate(items)]
 
 

@@ -108,7 +108,7 @@ def parse_request(body: Any, tok: Tokenizer, *, chat: bool) -> ParsedRequest:
             raise bad("messages must be a non-empty list of objects with a role", "messages")
         add_gen = body.get("add_generation_prompt", True) is not False
         try:
-            prompts = [tok.encode(tok.render_chat(messages, add_gen))]
+            prompts = [tok.encode_chat(messages, add_gen)]
         except ValueError as exc:
             raise bad(str(exc), "messages") from None
         max_tokens = _opt_int(body, "max_completion_tokens", 1)

@@ -1,16 +1,24 @@
-"""A deterministic stand-in tokenizer, a local tokenizer.json, and a ChatML-like chat template.
+"""A deterministic stand-in tokenizer, a local tokenizer.json, and chat templates.
 
-`Tokenizer` is the seam: `ByteTokenizer` needs nothing; `TokenizerJson` reads a local file with
-the `tokenizers` package (nothing is downloaded). Both render chat with the same template.
+`Tokenizer` is the seam: `ByteTokenizer` needs nothing and renders ChatML; `TokenizerJson` reads
+a local file or tokenizer directory with the `tokenizers` package (nothing is downloaded) and
+renders chat with the directory's own chat template, as vLLM would, else ChatML.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import zlib
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol
+
+import orjson
+import xxhash
 
 IM_START, IM_END, EOT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 _SPECIALS = (EOT, IM_START, IM_END)
@@ -29,6 +37,11 @@ class Tokenizer(Protocol):
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True) -> str: ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        """A chat's prompt ids: its rendering, tokenized as the engine tokenizes chats."""
+        ...
 
     @property
     def filler_ids(self) -> Sequence[int]: ...  # what generated tokens are drawn from
@@ -50,16 +63,51 @@ def render_content(content: Any) -> str:
 
 
 def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """ChatML: `<|im_start|>role\\ncontent<|im_end|>\\n` per message, then the
-    generation prompt `<|im_start|>assistant\\n`. `developer` is rendered as `system`."""
+    """ChatML as Qwen2.5's template renders it: `<|im_start|>role\\ncontent<|im_end|>\\n` per
+    message, then the generation prompt `<|im_start|>assistant\\n`; `developer` renders as
+    `system`.
+
+    An assistant's `tool_calls` follow its content, one `\\n<tool_call>\\n{"name": ...,
+    "arguments": ...}\\n</tool_call>` each (arguments parsed from their JSON string, as vLLM
+    passes them, then dumped as the template's `tojson` does). A `tool` message's content is
+    wrapped in `\\n<tool_response>\\n...\\n</tool_response>` inside a `user` block, and
+    consecutive tool messages share one block, as in Qwen. So the rendering is append-only except
+    there: a prompt that ends with a tool message, extended by another tool message, differs
+    from its old rendering from that message's `<|im_end|>` on (a few tokens, not the result).
+    """
     out = []
-    for m in messages:
+    last = len(messages) - 1
+    for i, m in enumerate(messages):
         role = str(m.get("role", "user"))
         role = "system" if role == "developer" else role
-        out.append(f"{IM_START}{role}\n{render_content(m.get('content'))}{IM_END}\n")
+        content = render_content(m.get("content"))
+        if role == "tool":
+            if i == 0 or messages[i - 1].get("role") != "tool":
+                out.append(f"{IM_START}user")
+            out.append(f"\n<tool_response>\n{content}\n</tool_response>")
+            if i == last or messages[i + 1].get("role") != "tool":
+                out.append(f"{IM_END}\n")
+            continue
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls:
+            out.append(f"{IM_START}assistant\n{content}" if content else f"{IM_START}assistant")
+            out.extend(f"\n<tool_call>\n{_tool_call_json(c)}\n</tool_call>" for c in calls)
+            out.append(f"{IM_END}\n")
+            continue
+        out.append(f"{IM_START}{role}\n{content}{IM_END}\n")
     if add_generation_prompt:
         out.append(f"{IM_START}assistant\n")
     return "".join(out)
+
+
+def _tool_call_json(call: Any) -> str:
+    """Qwen2.5's `{"name": "<name>", "arguments": <arguments | tojson>}` for one tool call."""
+    call = _parsed_call(call)
+    function = call.get("function", call) if isinstance(call, Mapping) else {}
+    function = function if isinstance(function, Mapping) else {}
+    name = function.get("name", "")
+    arguments = json.dumps(function.get("arguments", {}), ensure_ascii=False)
+    return f'{{"name": "{name}", "arguments": {arguments}}}'
 
 
 class ByteTokenizer:
@@ -68,36 +116,68 @@ class ByteTokenizer:
     Restarting at boundaries makes a message's tokens independent of what precedes it, as
     real pre-tokenizers do; so a generated reply, rendered back into the next turn's prompt,
     tokenizes to the ids that were generated and the next turn hits the cached blocks.
-    Ids are `16 + crc32(piece) % (vocab_size - 16)`; specials are 1, 2, 3.
+    Ids are `16 + crc32(4 bytes) % (vocab_size - 16)`; specials are 1, 2, 3.
+
+    The ids of each text run between boundaries are memoised (least recently used first out,
+    up to `memo_tokens` ids in all), so a document, system prompt or history resent by many
+    requests is cut once; the ids are the same either way.
     """
 
     vocab_size = 151_936
+    MEMO_TOKENS = 1 << 22  # ~50 MB of runs and their ids
 
-    def __init__(self) -> None:
+    def __init__(self, *, memo_tokens: int = MEMO_TOKENS) -> None:
         self._special_ids = {s: i + 1 for i, s in enumerate(_SPECIALS)}
         pieces = [f" {w}"[:4].ljust(4, "_") for w in _WORDS]
         self._filler = {self._piece_id(p.encode()): p for p in dict.fromkeys(pieces)}
+        # one int object per id, shared: a memoised run costs 8 bytes an id, not 36
+        self._ids = tuple(range(16, self.vocab_size))
+        self._memo: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._memo_size = 0  # ids held in _memo
+        self._memo_budget = memo_tokens
 
     def _piece_id(self, piece: bytes) -> int:
         return 16 + zlib.crc32(piece) % (self.vocab_size - 16)
 
+    def _run(self, part: str) -> tuple[int, ...]:
+        """The ids of one text run with no boundary in it, memoised."""
+        memo = self._memo
+        ids = memo.get(part)
+        if ids is not None:
+            try:
+                memo.move_to_end(part)
+            except KeyError:  # evicted meanwhile (another thread); the ids are still right
+                pass
+            return ids
+        raw, table, crc, m = part.encode("utf-8"), self._ids, zlib.crc32, len(self._ids)
+        ids = tuple([table[crc(raw[i:i + 4]) % m] for i in range(0, len(raw), 4)])
+        if len(ids) <= self._memo_budget // 8:  # one huge run must not flush the rest
+            memo[part] = ids
+            self._memo_size += len(ids)
+            while self._memo_size > self._memo_budget and memo:
+                self._memo_size -= len(memo.popitem(last=False)[1])
+        return ids
+
     def encode(self, text: str) -> list[int]:
         out: list[int] = []
-        pid = self._piece_id
+        specials, run = self._special_ids, self._run
         for part in _SPLIT.split(text):
             if not part:
                 continue
-            special = self._special_ids.get(part)
+            special = specials.get(part)
             if special is not None:
                 out.append(special)
-                continue
-            raw = part.encode("utf-8")
-            out.extend(pid(raw[i:i + 4]) for i in range(0, len(raw), 4))
+            else:
+                out.extend(run(part))
         return out
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True) -> str:
         return render_chatml(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(render_chatml(messages, add_generation_prompt))
 
     @property
     def filler_ids(self) -> Sequence[int]:
@@ -108,25 +188,32 @@ class ByteTokenizer:
 
 
 class TokenizerJson:
-    """A local `tokenizer.json` read with the `tokenizers` package (the gateway's tokens mode
-    reads the same file, so both cut a prompt into the same ids).
+    """A local `tokenizer.json`, or a tokenizer directory holding one, read with the
+    `tokenizers` package (the gateway's tokens mode reads the same files, so both cut a prompt
+    into the same ids).
 
     `encode` adds the tokenizer's special tokens, as vLLM does for completion prompts (and as
-    the gateway's TokenChunker does). Chat is rendered with the simulator's ChatML template,
-    not the model's. Generated tokens are drawn from ids that decode to whole filler words;
-    unlike the ByteTokenizer's, a reply sent back may tokenize to other ids (BPE merges across
-    words), which only costs the next turn some cache hits in its last blocks.
+    the gateway's TokenChunker does). Chat renders with the directory's chat template
+    (`chat_template.jinja`, else `tokenizer_config.json`'s) or `chat_template` (a template
+    file), tokenized without special tokens as vLLM tokenizes chats; with no template (a bare
+    tokenizer.json) it renders as ChatML and tokenizes like a completion. Generated tokens are
+    drawn from ids that decode to whole filler words; unlike the ByteTokenizer's, a reply sent
+    back may tokenize to other ids (BPE merges across words), which only costs the next turn
+    some cache hits in its last blocks.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, add_special_tokens: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, add_special_tokens: bool = True,
+                 chat_template: str | os.PathLike[str] | None = None) -> None:
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"tokenizer file not found: {file}")
         from tokenizers import Tokenizer as HfTokenizer  # optional (the `tokens` extra)
 
         self.path = path
-        self._tok = HfTokenizer.from_file(path)
+        self._tok = HfTokenizer.from_file(file)
         self._special = add_special_tokens
+        self._template = _load_template(path, chat_template)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._filler = self._pick_filler()
 
@@ -155,7 +242,17 @@ class TokenizerJson:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True) -> str:
-        return render_chatml(messages, add_generation_prompt)
+        if self._template is None:
+            return render_chatml(messages, add_generation_prompt)
+        return self._template.render(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt)
+        if self._template is None:
+            return self.encode(text)
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
 
     @property
     def filler_ids(self) -> Sequence[int]:
@@ -163,3 +260,179 @@ class TokenizerJson:
 
     def decode_filler(self, token_id: int) -> str:
         return self._filler.get(token_id, "")
+
+
+class ChatTemplate:
+    """A Hugging Face chat template compiled as transformers compiles it (a jinja2 sandbox with
+    trim_blocks and lstrip_blocks, loop controls, `{% generation %}`, `raise_exception`,
+    `strftime_now`, a `tojson` that keeps non-ASCII text) and rendered with vLLM's messages.
+
+    The simulator keeps its own copy of this (it imports nothing from the gateway's packages);
+    the gateway's tokens mode must render the same text, which the tests check.
+    """
+
+    def __init__(self, source: str, origin: str, special: Mapping[str, str]) -> None:
+        import jinja2  # optional (the `tokens` extra)
+
+        self.origin = origin
+        self.special = dict(special)
+        try:
+            self._template = _jinja_env().from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"{origin}: the chat template does not compile: {exc}") from None
+
+    def render(self, messages: Sequence[Mapping[str, Any]],
+               add_generation_prompt: bool = True) -> str:
+        """The prompt text; a template that rejects the messages raises ValueError (vLLM
+        answers 400)."""
+        import jinja2
+
+        try:
+            text: str = self._template.render(
+                messages=_engine_messages(messages), add_generation_prompt=add_generation_prompt,
+                tools=None, documents=None, **self.special)
+        except (jinja2.TemplateError, TypeError) as exc:
+            raise ValueError(f"the chat template rejects these messages: {exc}") from None
+        return text
+
+
+def _load_template(path: str, override: str | os.PathLike[str] | None) -> ChatTemplate | None:
+    """vLLM's template lookup: `override`, else the directory's `chat_template.jinja`, else
+    `tokenizer_config.json`'s `chat_template` (a string, or named templates: "default")."""
+    folder = Path(path) if os.path.isdir(path) else Path(path).parent
+    config_file = folder / "tokenizer_config.json"
+    if override is not None:
+        source, origin = _read_text(Path(override)), os.fspath(override)
+    elif not os.path.isdir(path):
+        return None
+    elif (folder / "chat_template.jinja").is_file():
+        source, origin = _read_text(folder / "chat_template.jinja"), str(folder / "chat_template.jinja")
+    else:
+        found = _read_config(config_file).get("chat_template")
+        if isinstance(found, list):
+            named = {t.get("name"): t.get("template") for t in found if isinstance(t, Mapping)}
+            found = named.get("default")
+            if found is None:
+                raise ValueError(f"{config_file}: no chat template named 'default'")
+        if found is None:
+            return None
+        if not isinstance(found, str):
+            raise ValueError(f"{config_file}: chat_template must be a string or a list")
+        source, origin = found, f"{config_file} (chat_template)"
+    special: dict[str, str] = {}
+    config = _read_config(config_file)
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, Mapping) else value
+        if isinstance(value, str):
+            special[key] = value
+    return ChatTemplate(source, origin, special)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the chat template ({exc})") from None
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return config
+
+
+def _engine_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What vLLM passes a template ("string" content format): content as one string (text
+    parts joined by newlines, media as `<type:digest>` placeholders before them), an
+    assistant's tool calls with JSON arguments parsed, a tool message's tool_call_id."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role = m.get("role")
+        msg: dict[str, Any] = {"role": role, "content": _content_text(m.get("content"))}
+        calls = m.get("tool_calls")
+        if role == "assistant" and isinstance(calls, list):
+            msg["tool_calls"] = [_parsed_call(c) for c in calls]
+        if role == "tool" and "tool_call_id" in m:
+            msg["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("message content must be a string, a list of parts or null")
+    texts, media = [], []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, Mapping) and (
+                part.get("type") == "text" or ("type" not in part and "text" in part)):
+            texts.append(str(part.get("text", "")))
+        else:
+            kind = part.get("type", "") if isinstance(part, Mapping) else ""
+            media.append(f"<{kind}:{_media_digest(part)}>")
+    text = "\n".join(texts)
+    return "\n".join([*media, text]) if media else text
+
+
+def _media_digest(part: Any) -> str:
+    """The media's content hash (vLLM keys the KV of its placeholder tokens by it): xxh3-128 of
+    the part's canonical JSON, keys sorted; the gateway's digest is the same."""
+    opts = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
+    return xxhash.xxh3_128_hexdigest(orjson.dumps(part, option=opts, default=str))
+
+
+def _parsed_call(call: Any) -> Any:
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if not arguments:
+        function["arguments"] = {}
+    elif isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            raise ValueError("tool call arguments must be JSON") from None
+    return {**call, "function": function}
+
+
+def _jinja_env() -> Any:
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}  # marks assistant text for training masks; render the body
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

@@ -1,11 +1,18 @@
-"""Max-score picker: highest weighted total wins, with a hot-spot guard.
+"""Max-score picker: highest weighted total wins, with a near-tie rule and a hot-spot guard.
 
-Ties on the total go to the least loaded replica, then at random (the policy's seeded rng).
+Near ties: every candidate whose total is within `slack` (10 %) of the best counts as equally
+good; among those the one holding the most of the prompt's blocks wins, then the one with the
+fewest requests, then the one with the fewest blocks placed on it so far, then a seeded random
+pick (reason "tie", or "cold" when no candidate holds any block). So a burst on a new prefix
+stays with the replica already counted as holding it while the load scorers see no real
+difference, and new prefixes spread over the fleet's caches even when they arrive one at a time
+on an idle fleet; a replica that is clearly slower or busier still loses.
 The guard: when the best-scoring replica's load exceeds the least-loaded candidate's by more
 than `max_load_gap` requests *and* more than `max_load_ratio` times, rank by load instead
 (reason "guard"). Either bound may be null to drop it; `guard: false` disables the guard.
 
     picker: max_score
+    slack: 0.1
     guard: {max_load_gap: 8, max_load_ratio: 2.0}
 """
 
@@ -16,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.base import BY_SCORE, GUARD, TIE
+from policies.base import BY_SCORE, COLD, GUARD, TIE
 from policies.types import ReplicaView, RoutedRequest
 
 
@@ -62,14 +69,18 @@ class LoadGuard:
 
 class MaxScorePicker:
     name = "max_score"
-    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
+    needs_prefix = False  # reads hit_blocks only when another plugin had the prompt hashed
 
     def __init__(
         self,
         *,
         guard: LoadGuard | Mapping[str, Any] | bool | None = True,
         rng: random.Random | None = None,
+        slack: float = 0.1,
     ) -> None:
+        if isinstance(slack, bool) or not isinstance(slack, int | float) or not 0 <= slack < 1:
+            raise ValueError(f"slack must be a number in [0, 1), got {slack!r}")
+        self.slack = float(slack)
         self.guard = LoadGuard.from_config(guard)
         self._rng = rng if rng is not None else random.Random()
 
@@ -78,16 +89,24 @@ class MaxScorePicker:
     ) -> tuple[list[str], str]:
         rand = self._rng.random
         get = totals.get
-        # (-total, load, tiebreak, name): the random tiebreak makes every key unique
-        keyed = [(-get(v.name, 0.0), v.load, rand(), v.name) for v in views]
+        best = max(totals.values(), default=0.0)
+        floor = best * (1.0 - self.slack)
+        # (-total, -hit, load, placed, tiebreak, name); a total within the slack counts as the
+        # best; the random tiebreak makes every key unique
+        keyed = [
+            (-(best if (t := get(v.name, 0.0)) >= floor else t), -v.hit_blocks, v.load,
+             v.placed_blocks, rand(), v.name)
+            for v in views
+        ]  # fmt: skip
         keyed.sort()
         guard = self.guard
         if guard is not None:
-            min_load = min([k[1] for k in keyed])
-            if guard.trips(keyed[0][1], min_load):
-                by_load = sorted([(k[1], k[0], k[2], k[3]) for k in keyed])
-                return [k[3] for k in by_load], GUARD
-        ranked = [k[3] for k in keyed]
+            min_load = min([k[2] for k in keyed])
+            if guard.trips(keyed[0][2], min_load):
+                by_load = sorted([(k[2], k[0], k[1], k[3], k[4], k[5]) for k in keyed])
+                return [k[5] for k in by_load], GUARD
+        ranked = [k[5] for k in keyed]
         if len(keyed) > 1 and keyed[0][0] == keyed[1][0]:
-            return ranked, TIE
+            cold = req.block_hashes and not any(v.hit_blocks for v in views)
+            return ranked, COLD if cold else TIE
         return ranked, BY_SCORE

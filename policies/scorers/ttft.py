@@ -6,9 +6,12 @@
     score    = min_ttft / ttft               (1.0 for the fastest candidate)
 
 a, b, c are fitted per replica from Outcomes by exponentially weighted ridge least squares,
-pulled toward the prior a = base_s, b = c = 1 / prefill_tokens_per_s. Before any observation the
-prior alone predicts; `prior_weight` is how many observations the prior is worth; `decay` forgets
-old observations so the fit follows a replica whose speed changes.
+pulled toward the prior a = base_s, b = c = 1 / prefill_tokens_per_s. A replica with no
+observations of its own is predicted with the mean fit of the replicas that have some (replicas of
+a pool are alike), and with the prior before any observation at all; so a newly learned replica
+does not look faster than idle ones that were simply not tried yet. `prior_weight` is how many
+observations the prior is worth; `decay` forgets old observations so the fit follows a replica
+whose speed changes.
 
     scorers:
       ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99}
@@ -86,19 +89,20 @@ class TTFTScorer:
         self._decay = float(decay)
         self._coef: dict[str, tuple[float, float, float]] = {}
         self._fits: dict[str, _Fit] = {}
+        self._pooled = self.prior  # what a replica without observations is predicted with
 
     def coefficients(self, replica: str) -> tuple[float, float, float]:
         """(a seconds, b seconds per uncached token, c seconds per queued token) for a replica."""
-        return self._coef.get(replica, self.prior)
+        return self._coef.get(replica, self._pooled)
 
     def predict(self, req: RoutedRequest, view: ReplicaView) -> float:
         """Predicted TTFT in seconds if `req` went to `view`."""
-        a, b, c = self._coef.get(view.name, self.prior)
+        a, b, c = self._coef.get(view.name, self._pooled)
         uncached = max(0.0, req.prompt_tokens - view.hit_blocks * req.tokens_per_block)
         return max(_FLOOR_S, a + b * uncached + c * view.inflight_prompt_tokens)
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:
-        coef, prior = self._coef, self.prior
+        coef, prior = self._coef, self._pooled
         prompt, tpb = req.prompt_tokens, req.tokens_per_block
         pred: dict[str, float] = {}
         for v in views:
@@ -123,7 +127,14 @@ class TTFTScorer:
         u = max(0, outcome.prompt_tokens - outcome.predicted_hit_tokens) / _KTOK
         q = max(0, outcome.queued_prompt_tokens_at_dispatch) / _KTOK
         fit.add(u, q, y, self._decay)
-        self._coef[outcome.replica] = self._solve(fit)
+        coef = self._coef
+        coef[outcome.replica] = self._solve(fit)
+        n = len(coef)
+        self._pooled = (
+            sum(x[0] for x in coef.values()) / n,
+            sum(x[1] for x in coef.values()) / n,
+            sum(x[2] for x in coef.values()) / n,
+        )
 
     def _solve(self, fit: _Fit) -> tuple[float, float, float]:
         # ridge toward the prior: (X'X + w I) theta = X'y + w theta0

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from bench import routing
-from bench.routing_routers import ROUTERS, GatewayRouter
+from bench.routing_routers import ROUTERS, DesRouter, body_of
 from bench.routing_workloads import profile, segment, trace
+from gateway.openai import parse_body
+from gateway.router import RouteInput
 from simulator.des import Cluster, SimRequest, run
 
 N = 300
@@ -22,7 +24,7 @@ N = 300
 
 @pytest.fixture(scope="module")
 def shared() -> routing.Prepared:
-    return routing.prepare(routing.WORKLOADS["shared_prompts"], N, seed=0)
+    return routing.prepare(routing.WORKLOADS["system"], N, seed=0)
 
 
 async def test_routers_record_everything_and_prefix_aware_beats_round_robin(
@@ -39,7 +41,7 @@ async def test_routers_record_everything_and_prefix_aware_beats_round_robin(
         assert all(r.first_token_s >= r.arrival_s for r in result.records)
         assert s["imbalance"] >= 1.0
         assert s["hit_ratio"] <= shared.prof.oracle_hit_ratio + 1e-9  # the oracle is a bound
-        assert isinstance(router, GatewayRouter)
+        assert isinstance(router, DesRouter)
         assert router.overflow == 0 and not router.pending
         assert all(r.inflight == 0 and r.inflight_prompt_tokens == 0 for r in router.replicas)
         assert sum(router.reasons.values()) == N
@@ -79,11 +81,11 @@ def test_trace_replay_keeps_lengths_and_shared_prefixes(tmp_path: Path) -> None:
 
 
 def test_command_prints_the_table_goals_and_a_default(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--workload", "shared_prompts", "--requests", "200"]
+    argv = ["--workload", "system", "--requests", "200"]
     assert routing.main([*argv, "--policies", "round_robin", "least_loaded", "ttft"]) == 0
     out = capsys.readouterr().out
-    assert "| shared_prompts | round_robin |" in out and "| shared_prompts | ttft |" in out
-    assert "shared_prompts: hit ratio >= 0.9 x oracle" in out
+    assert "| system | round_robin |" in out and "| system | ttft |" in out
+    assert "system: hit ratio >= 0.85 x oracle" in out
     assert "\nDefault: ttft:" in out
 
 
@@ -93,13 +95,17 @@ async def test_precise_router_learns_the_engines_blocks(shared: routing.Prepared
     cluster = Cluster(routing.N_REPLICAS, seed=0, **shared.spec.engine)
     router = ROUTERS["ttft+precise"].build(cluster, 0)
     result = await run(shared.requests, cluster, router, scrape_interval_s=routing.SCRAPE_S)
-    st = router.index.stats_now()
+    st = router.gw.index.stats_now()
     assert sum(st.engine_blocks_per_replica.values()) > 0
     assert all(a.counts.unknown_parent == 0 for a in router.appliers)
     # what the index says a replica holds from the engine is what that engine has cached
     req = shared.requests[-1]
-    hashes, _ = router._prompt(req)
-    said = router.index.match_now(router.scope, hashes, router.names)
+    parsed = parse_body(*body_of(req))  # type: ignore[arg-type]
+    routed = router.router.prepare(
+        parsed, router.pool, RouteInput(req.id), router.router.prompt(parsed)
+    )
+    names = [r.name for r in router.replicas]
+    said = router.gw.index.match_now(routed.routed.scope, routed.routed.block_hashes, names)
     for i, engine in enumerate(cluster.engines):
-        assert said[router.names[i]] >= engine.cached_prefix_tokens(req.prompt_tokens) // 16 - 1
+        assert said[names[i]] >= engine.cached_prefix_tokens(req.prompt_tokens) // 16 - 1
     assert result.summary()["hit_ratio"] > 0.8

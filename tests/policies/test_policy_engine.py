@@ -121,8 +121,8 @@ def test_no_candidates_and_only_candidate() -> None:
         ([ReplicaView("a", hit_blocks=4, inflight=1), ReplicaView("b")], "prefix"),
         # same prefix everywhere: load decides
         ([ReplicaView("a", hit_blocks=4, inflight=1), ReplicaView("b", hit_blocks=4)], "load"),
-        # nothing tells them apart
-        ([ReplicaView("a"), ReplicaView("b")], "tie"),
+        # nothing tells them apart, and neither holds any block: placed as a cold prompt
+        ([ReplicaView("a"), ReplicaView("b")], "cold"),
     ],
 )
 def test_reason_names_the_deciding_scorer(views: list[ReplicaView], reason: str) -> None:

@@ -23,9 +23,53 @@ def test_max_score_ranks_by_total() -> None:
 
 
 def test_max_score_tie_goes_to_least_loaded() -> None:
-    views = [ReplicaView("a", inflight=3), ReplicaView("b", waiting=1, running=1), ReplicaView("c")]
+    views = [
+        ReplicaView("a", inflight=3, hit_blocks=1),
+        ReplicaView("b", waiting=1, running=1, hit_blocks=1),
+        ReplicaView("c", hit_blocks=1),
+    ]
     ranked, reason = MaxScorePicker().pick(REQ, views, {"a": 2.0, "b": 2.0, "c": 2.0})
     assert (ranked, reason) == (["c", "b", "a"], "tie")
+
+
+COLD_CASES = [
+    # (views, totals, winner): a prompt no replica holds any block of
+    # idle fleet, small learned differences: the replica with the fewest placed blocks wins
+    ([ReplicaView("a", placed_blocks=90), ReplicaView("b", placed_blocks=10),
+      ReplicaView("c", placed_blocks=50)], {"a": 1.0, "b": 0.95, "c": 0.97}, "b"),
+    # within the slack, fewer requests beat fewer placed blocks
+    ([ReplicaView("a", inflight=2), ReplicaView("b", inflight=1, placed_blocks=500)],
+     {"a": 1.0, "b": 0.92}, "b"),
+    # outside the slack the scores still decide (a slow or busy replica stays out)
+    ([ReplicaView("a", placed_blocks=900), ReplicaView("b")], {"a": 1.0, "b": 0.5}, "a"),
+]
+
+
+@pytest.mark.parametrize(("views", "totals", "winner"), COLD_CASES)
+def test_cold_prompts_spread_by_load_then_placed_blocks(
+    views: list[ReplicaView], totals: dict[str, float], winner: str
+) -> None:
+    ranked, reason = MaxScorePicker(guard=False).pick(REQ, views, totals)
+    assert ranked[0] == winner
+    assert reason in ("cold", "score")
+
+
+def test_cold_placement_spreads_new_prefixes_one_at_a_time() -> None:
+    """New prefixes arriving one by one on an idle fleet land on every replica in turn."""
+    names = "abcd"
+    placed = dict.fromkeys(names, 0)
+    for _ in range(8):
+        views = [ReplicaView(n, placed_blocks=placed[n]) for n in names]
+        totals = {n: 1.0 - 0.01 * i for i, n in enumerate(names)}  # "a" always looks a bit faster
+        win = MaxScorePicker(guard=False).pick(REQ, views, totals)[0][0]
+        placed[win] += len(REQ.block_hashes)
+    assert set(placed.values()) == {2 * len(REQ.block_hashes)}
+
+
+def test_a_prompt_with_a_hit_somewhere_is_not_cold() -> None:
+    views = [ReplicaView("a", placed_blocks=900, hit_blocks=1), ReplicaView("b")]
+    ranked, reason = MaxScorePicker(guard=False).pick(REQ, views, {"a": 0.95, "b": 1.0})
+    assert ranked[0] == "a" and reason == "tie"  # within the slack, the block holder wins
 
 
 def test_max_score_full_tie_is_random_but_seeded() -> None:

@@ -68,7 +68,7 @@ def test_every_preset_builds_and_ranks_every_survivor(name: str) -> None:
 def test_preset_weights() -> None:
     weights = {s.name: w for s, w in build_policy("prefix_aware").scorers}
     assert weights == {"prefix": 3.0, "queue": 2.0, "kv_pressure": 2.0}
-    assert {s.name: w for s, w in build_policy("ttft").scorers} == {"ttft": 3.0, "queue": 1.0}
+    assert {s.name: w for s, w in build_policy("ttft").scorers} == {"ttft": 1.0}
     assert build_policy("ttft").picker.guard is None  # type: ignore[attr-defined]
     assert [s.name for s, _ in build_policy("cost_blocks").scorers] == ["cost_blocks"]
     assert [f.name for f in build_policy("round_robin").filters] == [

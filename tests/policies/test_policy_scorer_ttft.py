@@ -65,7 +65,11 @@ def test_ttft_learning_converges_to_observed_coefficients() -> None:
         assert got[1] == pytest.approx(b, rel=0.1), name
         assert got[2] == pytest.approx(c, rel=0.1), name
         assert got[0] == pytest.approx(a, abs=0.02), name
-    assert scorer.coefficients("never-seen") == scorer.prior
+    # a replica without observations of its own: the mean fit of the others, not the prior
+    fits = [scorer.coefficients(n) for n in true]
+    mean = tuple(sum(f[i] for f in fits) / len(fits) for i in range(3))
+    assert scorer.coefficients("never-seen") == pytest.approx(mean)
+    assert TTFTScorer().coefficients("never-seen") == TTFTScorer().prior
 
 
 def test_ttft_ignores_failed_and_unknown_outcomes() -> None:

@@ -1,0 +1,293 @@
+"""The routing unit: a request's prompt -> scope and block hashes -> index match -> policy choice.
+
+The pipeline and every benchmark drive this one object; it decides, it does not send. A
+`Dispatch` counts the choice on its replica at once (in-flight load and the prompt's blocks in
+the index) and feeds the outcome back to the replica's state, the policy and the index.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from policies.types import Decision, Outcome, ReplicaView, RoutedRequest
+from prefix_index.chunking import scope_key
+
+from .openai import ParsedRequest
+
+if TYPE_CHECKING:
+    from prefix_index.base import PrefixIndex
+    from prefix_index.chunking import Chunker
+
+    from .replicas import ReplicaState
+    from .runtime import Pool
+
+
+class Routing:
+    """What the router holds for one request between hashing and dispatch."""
+
+    __slots__ = (
+        "routed", "prompt", "hits", "epoch", "decision", "views", "hash_ns", "match_ns", "choose_ns",
+    )  # fmt: skip
+
+    def __init__(self, routed: RoutedRequest, prompt: str | Sequence[int], hash_ns: int) -> None:
+        self.routed = routed
+        self.prompt = prompt
+        self.hits: dict[str, int] = {}
+        self.epoch = -1  # the pool's dispatch count when the index answered
+        self.decision: Decision | None = None
+        self.views: list[ReplicaView] = []
+        self.hash_ns = hash_ns
+        self.match_ns = 0
+        self.choose_ns = 0
+
+
+@dataclass(slots=True)
+class RouteInput:
+    """The parts of a request routing reads, besides its parsed body."""
+
+    request_id: str
+    tenant: str = "anonymous"
+    priority: str = "interactive"
+    session_key: str | None = None
+    tenant_salt: str | None = None  # the tenant's cache salt (config), joined to the client's
+
+
+def cache_salt(req: ParsedRequest, tenant_salt: str | None) -> str | None:
+    """The `cache_salt` the engine gets (and the scope uses): the tenant's, then the client's."""
+    salt = req.body.get("cache_salt")
+    client = salt if isinstance(salt, str) and salt else None
+    if tenant_salt is None:
+        return client
+    return tenant_salt if client is None else f"{tenant_salt}/{client}"
+
+
+class Router:
+    """Hash, match and choose, each timed; `dispatch` counts the winner.
+
+    `chunker` and `index` are read through `source` on every call: a reload or the tokens-mode
+    fallback swaps them on the Gateway, and the router follows.
+    """
+
+    __slots__ = ("source",)
+
+    def __init__(self, source: _Source) -> None:
+        self.source = source
+
+    # --- hash ------------------------------------------------------------------------------
+    def prompt(self, req: ParsedRequest) -> tuple[str | Sequence[int], int, int]:
+        """The prompt as the engine sees it (text or ids), its estimated tokens, and when this
+        began (perf_counter_ns; the hash stage is timed from here)."""
+        t0 = time.perf_counter_ns()
+        chunker = self.source.chunker
+        prompt = prompt_of(req, chunker)
+        tokens = chunker.estimate_tokens(prompt) if isinstance(prompt, str) else len(prompt)
+        return prompt, tokens, t0
+
+    def prepare(
+        self,
+        req: ParsedRequest,
+        pool: Pool,
+        inp: RouteInput,
+        prompt: tuple[str | Sequence[int], int, int],
+    ) -> Routing:
+        """Scope and block hashes of `prompt` (none when the pool's policy ignores them)."""
+        text, tokens, t0 = prompt
+        chunker = self.source.chunker
+        scope = scope_key(req.model, salt=cache_salt(req, inp.tenant_salt))
+        hashes: list[int] = []
+        if pool.policy.needs_prefix:
+            hashes = (
+                chunker.hash_text(scope, text)
+                if isinstance(text, str)
+                else chunker.hash_tokens(scope, text)
+            )
+        routed = RoutedRequest(
+            request_id=inp.request_id,
+            model=req.model,
+            scope=scope,
+            pool=pool.name,
+            prompt_tokens=tokens,
+            block_hashes=hashes,
+            tokens_per_block=chunker.tokens_per_block,
+            max_tokens=req.max_tokens,
+            session_key=inp.session_key if inp.session_key is not None else req.user,
+            priority=inp.priority,
+            tenant=inp.tenant,
+        )
+        return Routing(routed, text, time.perf_counter_ns() - t0)
+
+    # --- match -----------------------------------------------------------------------------
+    async def match(self, pool: Pool, routing: Routing) -> None:
+        """Ask the index which replica holds the longest run of the chain (outside admission)."""
+        t0 = time.perf_counter_ns()
+        index = self.source.index
+        routed = routing.routed
+        routing.epoch = pool.dispatches
+        if routed.block_hashes and index is not None:
+            routing.hits = await index.match(
+                routed.scope, routed.block_hashes, [r.name for r in pool.replicas]
+            )
+        routing.match_ns = time.perf_counter_ns() - t0
+
+    # --- choose ----------------------------------------------------------------------------
+    def choose(self, pool: Pool, routing: Routing, now: float | None = None) -> Decision:
+        """Views of the pool's replicas as they are now, and the policy's ranking of them."""
+        t0 = time.perf_counter_ns()
+        now = time.monotonic() if now is None else now
+        hits = routing.hits
+        if routing.epoch != pool.dispatches:  # others were dispatched since the match
+            hits = routing.hits = self._recheck(pool, routing)
+        get = hits.get
+        routing.views = [r.view(get(r.name, 0), now) for r in pool.replicas]
+        decision = routing.decision = pool.policy.choose(routing.routed, routing.views)
+        routing.choose_ns = time.perf_counter_ns() - t0
+        return decision
+
+    def _recheck(self, pool: Pool, routing: Routing) -> dict[str, int]:
+        """The match again from what this process knows without a round trip (the memory index,
+        or the Redis backend's local view of this gateway's own writes), merged with the first
+        answer: a request that waited in admission behind a burst on its prefix sees the burst."""
+        routed = routing.routed
+        local = getattr(self.source.index, "match_local", None)
+        if not routed.block_hashes or local is None:
+            return routing.hits
+        fresh = local(routed.scope, routed.block_hashes, [r.name for r in pool.replicas])
+        if fresh is None:
+            return routing.hits
+        old = routing.hits
+        return {name: max(n, old.get(name, 0)) for name, n in fresh.items()}
+
+    async def decide(self, pool: Pool, routing: Routing, now: float | None = None) -> Decision:
+        """match + choose, for callers with no admission queue between them (the DES)."""
+        await self.match(pool, routing)
+        return self.choose(pool, routing, now)
+
+    # --- dispatch --------------------------------------------------------------------------
+    async def dispatch(self, pool: Pool, routing: Routing, name: str) -> Dispatch:
+        """Count a dispatch of the request to replica `name` (the pick, or a failover): its
+        in-flight load, and its chain in the index (the memory index and the Redis backend's
+        local view take it before this returns, so the next request of a burst sees it)."""
+        view = next(v for v in routing.views if v.name == name)
+        pool.dispatches += 1
+        d = Dispatch(self.source.index, pool, pool.by_name[name], view, routing.routed)
+        await d.record()
+        return d
+
+
+class _Source:
+    """What the router reads its parts from (the Gateway, or a benchmark's stand-in)."""
+
+    chunker: Chunker
+    index: PrefixIndex | None
+
+
+def prompt_of(req: ParsedRequest, chunker: Chunker) -> str | Sequence[int]:
+    """The prompt as the engine will see it: a chat rendered, a completion string, or ids."""
+    if req.kind == "chat":
+        return chunker.chat_prompt(req.messages)
+    prompt = req.prompt
+    if isinstance(prompt, list) and isinstance(prompt[0], list | str):
+        prompt = prompt[0]  # a batch: route by its first prompt
+    return prompt
+
+
+class Dispatch:
+    """One dispatch to one replica: counted at once, its outcome fed back exactly once.
+
+    At dispatch the replica's in-flight counts grow and the index records the prompt's chain
+    for it, so a burst on a new prefix sticks to the replica that will hold it. The blocks the
+    replica was not known to hold are unconfirmed until the attempt succeeds: a failed attempt
+    removes them again.
+    """
+
+    __slots__ = (
+        "index", "pool", "replica", "view", "routed", "hit_tokens", "uncached",
+        "_prefilled", "_done", "_settled", "_unrecords",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        index: PrefixIndex | None,
+        pool: Pool,
+        replica: ReplicaState,
+        view: ReplicaView,
+        routed: RoutedRequest,
+    ) -> None:
+        self.index, self.pool, self.replica, self.view, self.routed = (
+            index, pool, replica, view, routed,
+        )  # fmt: skip
+        hit = min(routed.prompt_tokens, int(view.hit_blocks * routed.tokens_per_block))
+        self.hit_tokens, self.uncached = hit, routed.prompt_tokens - hit
+        self._prefilled = self._done = self._settled = False
+        self._unrecords = replica.unrecords
+        replica.dispatched(self.uncached, max(0, routed.n_blocks - view.hit_blocks))
+
+    async def record(self) -> None:
+        """The replica will hold the prompt's blocks: count them in the index now."""
+        routed = self.routed
+        if self.index is not None and routed.block_hashes:
+            await self.index.record(routed.scope, self.replica.name, routed.block_hashes)
+
+    def prefilled(self) -> None:
+        """The first token arrived: the prompt is no longer queued prefill work."""
+        if not self._prefilled:
+            self._prefilled = True
+            self.replica.prefilled(self.uncached)
+
+    async def failed(self, why: str) -> None:
+        """The attempt failed before an answer: the replica's breaker counts it and the blocks
+        recorded at dispatch that it did not hold before go again."""
+        if self._settled:
+            return
+        self._settled = True
+        self.replica.failed(why)
+        await self._unrecord()
+
+    async def finished(
+        self, ok: bool, served: bool, ttft_s: float | None, why: str = ""
+    ) -> None:
+        """The answer ended. `ok`: the replica behaved (its breaker counts a success); `served`:
+        it answered 200, so it holds the prompt's blocks (else they leave the index)."""
+        if self._settled:
+            return
+        self._settled = True
+        replica = self.replica
+        if ok:
+            replica.succeeded()
+        else:
+            replica.failed(why or "upstream error")
+        if not served:
+            await self._unrecord()
+        elif replica.unrecords != self._unrecords:  # a failed sibling took our blocks out
+            await self.record()
+        if ttft_s is not None:
+            replica.observe_ttft(ttft_s)
+        v = self.view
+        self.pool.policy.observe(
+            Outcome(
+                replica.name,
+                self.routed.prompt_tokens,
+                self.hit_tokens,
+                v.load,
+                v.inflight_prompt_tokens,
+                ttft_s,
+                ok=ok,
+                session_key=self.routed.session_key,
+            )
+        )
+
+    def done(self) -> None:
+        """Release the in-flight count (always, exactly once)."""
+        if not self._done:
+            self._done = True
+            self.prefilled()
+            self.replica.finished()
+
+    async def _unrecord(self) -> None:
+        routed, known = self.routed, self.view.hit_blocks
+        if self.index is not None and len(routed.block_hashes) > known:
+            self.replica.unrecords += 1
+            await self.index.evict(routed.scope, self.replica.name, routed.block_hashes[known:])

@@ -1,0 +1,261 @@
+"""A local Hugging Face tokenizer directory's chat template, rendered the way vLLM renders it.
+
+Tokens mode hashes a chat prompt as the token ids of the engine's rendered template, so the
+gateway finds the template where transformers does and renders messages as vLLM passes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from prefix_index.chat import media_digest
+
+__all__ = ["ChatTemplate", "engine_messages", "load_chat_template", "special_tokens"]
+
+TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save the template
+CONFIG_FILE = "tokenizer_config.json"
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it is rendered with.
+
+    Compiles once (construction); `render` is what runs per request. The environment is the
+    one transformers builds: a sandbox with trim_blocks and lstrip_blocks, loop controls, a
+    `{% generation %}` block, the `raise_exception` and `strftime_now` globals and a `tojson`
+    filter that keeps non-ASCII text and sorts no keys.
+    """
+
+    def __init__(
+        self, source: str, *, origin: str, special: Mapping[str, str] | None = None
+    ) -> None:
+        import jinja2  # optional dependency (the `tokens` extra)
+
+        self.origin = origin
+        self.special = dict(special or {})
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"{origin}: the chat template does not compile: {exc}") from None
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text the engine builds for `messages` (raises jinja2.TemplateError when
+        the template rejects them, as templates do for a bad role order)."""
+        text: str = self._template.render(
+            messages=engine_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            documents=None,
+            **self.special,
+        )
+        return text
+
+
+def load_chat_template(
+    tokenizer: str | os.PathLike[str], override: str | os.PathLike[str] | None = None
+) -> ChatTemplate | None:
+    """The chat template for `tokenizer` (a tokenizer directory or a `tokenizer.json` file).
+
+    `override` (a template file) wins; else a directory's `chat_template.jinja`; else its
+    `tokenizer_config.json`'s `chat_template` (a string, or a list of named templates of which
+    "default" is used). None when there is none (a bare `tokenizer.json` has none). Special
+    tokens come from the `tokenizer_config.json` beside the tokenizer. A missing or broken
+    template raises ValueError naming the file.
+    """
+    path = Path(tokenizer)
+    folder = path if path.is_dir() else path.parent
+    config_file = folder / CONFIG_FILE
+    if override is not None:
+        source, origin = _read(Path(override)), str(override)
+    elif not path.is_dir():
+        return None
+    elif (folder / TEMPLATE_FILE).is_file():
+        source, origin = _read(folder / TEMPLATE_FILE), str(folder / TEMPLATE_FILE)
+    else:
+        found = _config_template(config_file)
+        if found is None:
+            return None
+        source, origin = found, f"{config_file} (chat_template)"
+    return ChatTemplate(source, origin=origin, special=special_tokens(config_file))
+
+
+def special_tokens(config_file: Path) -> dict[str, str]:
+    """`bos_token`, `eos_token` (and `unk_token`, `pad_token`) from a tokenizer_config.json:
+    each a string or an AddedToken object with "content". {} when the file is absent."""
+    config = _read_config(config_file)
+    out: dict[str, str] = {}
+    for key in _SPECIAL_KEYS:
+        value = config.get(key)
+        if isinstance(value, Mapping):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def engine_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as vLLM hands them to a template with its "string" content format.
+
+    A list content becomes its text parts joined by "\\n". vLLM replaces an image or audio part
+    with the model's placeholder tokens (expanded to the media's length) and keys their KV by
+    the media's hash; here it becomes `<type:digest>` text, so two images differ and the same
+    image matches, and like vLLM's placeholders these go before the text. An assistant's tool
+    calls keep their shape, their JSON `arguments` parsed into objects (as vLLM does, since
+    templates render them with `tojson`); a tool message keeps its `tool_call_id`.
+    """
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            out.append({"role": "", "content": _json(message)})
+            continue
+        role = message.get("role")
+        msg: dict[str, Any] = {"role": role, "content": content_text(message.get("content"))}
+        calls = message.get("tool_calls")
+        if role == "assistant" and isinstance(calls, list):
+            msg["tool_calls"] = [_tool_call(call) for call in calls]
+        if role == "tool" and "tool_call_id" in message:
+            msg["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            msg["name"] = message["name"]
+        out.append(msg)
+    return out
+
+
+def content_text(content: Any) -> str:
+    """A message's content as one string (see `engine_messages`)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return _json(content)
+    texts: list[str] = []
+    media: list[str] = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, Mapping) and _is_text(part):
+            texts.append(str(part.get("text", "")))
+        else:
+            kind = part.get("type", "") if isinstance(part, Mapping) else ""
+            media.append(f"<{kind}:{media_digest(part)}>")
+    text = "\n".join(texts)
+    return "\n".join([*media, text]) if media else text
+
+
+def _is_text(part: Mapping[str, Any]) -> bool:
+    kind = part.get("type")
+    return kind == "text" or (kind is None and "text" in part)
+
+
+def _tool_call(call: Any) -> Any:
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if not arguments:
+        function["arguments"] = {}
+    elif isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # vLLM rejects the request; keep the text so the prompt still hashes
+    return {**call, "function": function}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the chat template ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: the chat template is not UTF-8 text") from None
+
+
+def _read_config(config_file: Path) -> dict[str, Any]:
+    if not config_file.is_file():
+        return {}
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config_file}: not a readable JSON file ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: expected a JSON object")
+    return config
+
+
+def _config_template(config_file: Path) -> str | None:
+    value = _read_config(config_file).get("chat_template")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        default = named.get("default")
+        if isinstance(default, str):
+            return default
+        raise ValueError(
+            f"{config_file}: chat_template lists named templates but none named 'default'"
+        )
+    raise ValueError(f"{config_file}: chat_template must be a string or a list of templates")
+
+
+def _environment() -> Any:
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """`{% generation %}…{% endgeneration %}` marks assistant text for training masks;
+        rendering only needs its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> list[nodes.Node]:
+            next(parser.stream)
+            body: list[nodes.Node] = parser.parse_statements(
+                ("name:endgeneration",), drop_needle=True
+            )
+            return body
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env

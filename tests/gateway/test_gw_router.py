@@ -1,0 +1,148 @@
+"""The routing unit end to end: blocks count at dispatch, a failed dispatch takes them back, cold
+prompts spread, and a burst on one new prompt sticks together (real gateway, simulated replicas)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway import create_app, parse_config
+from gateway.openai import parse_body
+from gateway.router import RouteInput
+from simulator import Fleet
+from simulator.workloads import text
+from tests.gateway.upstream import Upstream
+from tests.support import free_port, start_server
+
+MODEL = "qwen2.5-14b"
+
+
+def config(urls: list[str], **pool: Any) -> Any:
+    return parse_config(
+        {
+            "pools": {
+                "chat": {
+                    "replicas": [{"url": u, "name": f"r{i}"} for i, u in enumerate(urls)],
+                    "scrape": {"interval_s": 0.2},
+                    "health": {"interval_s": 0.2, "failures_to_open": 100},
+                    **pool,
+                }
+            },
+            "server": {"expose_upstream_errors": True},
+        }
+    )
+
+
+def chat(content: str, max_tokens: int = 4) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+
+
+async def stream(h: httpx.AsyncClient, url: str, body: dict[str, Any]) -> str:
+    async with h.stream(
+        "POST", url + "/v1/chat/completions", json=body, headers={"x-gateway-explain": "1"}
+    ) as res:
+        assert res.status_code == 200
+        async for _ in res.aiter_bytes():
+            pass
+        return str(res.headers["x-gateway-decision"])
+
+
+async def test_a_burst_on_one_new_prompt_is_prefilled_on_at_most_two_replicas() -> None:
+    doc = text("burst-doc", 4096)
+    async with Fleet(n=4, speedup=20.0) as fleet:
+        app = create_app(config(fleet.urls))
+        gw = await start_server(app, lifespan="on")
+        try:
+            async with httpx.AsyncClient(timeout=60) as h:
+                await asyncio.gather(
+                    *(stream(h, gw.url, chat(f"{doc}\nQuestion {i}?")) for i in range(20))
+                )
+            computed = [
+                s["prompt_tokens"] - s["prefix_hit_tokens"]
+                for s in (r.stats() for r in fleet.replicas)
+            ]
+            prefilled = sum(1 for c in computed if c >= 3000)
+            assert 1 <= prefilled <= 2, computed
+        finally:
+            await gw.stop()
+
+
+async def test_new_prefixes_one_at_a_time_spread_over_an_idle_fleet() -> None:
+    async with Fleet(n=4, speedup=50.0) as fleet:
+        app = create_app(config(fleet.urls))
+        gw = await start_server(app, lifespan="on")
+        try:
+            async with httpx.AsyncClient(timeout=60) as h:
+                for g in range(8):  # one after another: the fleet is idle at each arrival
+                    await stream(h, gw.url, chat(text(f"group-{g}", 1024) + "\nq?"))
+            served = [r.stats()["requests_served"] for r in fleet.replicas]
+            assert sum(1 for s in served if s) >= 3, served
+        finally:
+            await gw.stop()
+
+
+async def test_blocks_count_at_dispatch_and_a_failed_dispatch_takes_them_back() -> None:
+    """Before any answer the chosen replica holds the chain in the index; a failed attempt takes
+    back exactly the blocks it added, and a replica answering 503 ends up holding nothing."""
+    bad, good = Upstream("bad", mode="error_503"), Upstream("good")
+    servers = [await start_server(u) for u in (bad, good)]
+    app = create_app(config([s.url for s in servers], policy="prefix_aware", retries=1))
+    gw = await start_server(app, lifespan="on")
+    try:
+        gateway = app.gateway
+        pool = gateway.pools["chat"]
+        body = chat(text("fail-doc", 512) + "\nq?")
+        parsed = parse_body("chat", orjson.dumps(body))
+        routing = gateway.router.prepare(
+            parsed, pool, RouteInput("probe"), gateway.router.prompt(parsed)
+        )
+        await gateway.router.decide(pool, routing)
+        routed = routing.routed
+        n = len(routed.block_hashes)
+        assert n and not any(routing.hits.values())
+        d = await gateway.router.dispatch(pool, routing, "r0")
+        assert (await gateway.index.match(routed.scope, routed.block_hashes, ["r0"]))["r0"] == n
+        await d.failed("connection refused")
+        d.done()
+        assert (await gateway.index.match(routed.scope, routed.block_hashes, ["r0"]))["r0"] == 0
+        assert pool.by_name["r0"].inflight == 0
+        async with httpx.AsyncClient(timeout=30) as h:
+            for _ in range(4):  # whichever replica is tried first, the 503 one fails over
+                await stream(h, gw.url, body)
+        hits = await gateway.index.match(routed.scope, routed.block_hashes, ["r0", "r1"])
+        assert hits == {"r0": 0, "r1": n}
+    finally:
+        await gw.stop()
+        for s in servers:
+            await s.stop()
+
+
+async def test_dead_replica_dispatch_is_taken_back_and_the_retry_keeps_the_blocks() -> None:
+    async with Fleet(n=1, speedup=50.0) as fleet:
+        dead = f"http://127.0.0.1:{free_port()}"
+        app = create_app(config([dead, fleet.urls[0]], policy="prefix_aware", retries=1))
+        gw = await start_server(app, lifespan="on")
+        try:
+            body = chat(text("retry-doc", 512) + "\nq?")
+            async with httpx.AsyncClient(timeout=30) as h:
+                for _ in range(3):
+                    await stream(h, gw.url, body)
+            gateway = app.gateway
+            pool = gateway.pools["chat"]
+            parsed = parse_body("chat", orjson.dumps(body))
+            routing = gateway.router.prepare(
+                parsed, pool, RouteInput("probe"), gateway.router.prompt(parsed)
+            )
+            await gateway.router.match(pool, routing)
+            n = len(routing.routed.block_hashes)
+            assert routing.hits.get("r0", 0) == 0 and routing.hits["r1"] == n
+        finally:
+            await gw.stop()
