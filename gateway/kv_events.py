@@ -28,6 +28,13 @@ PARITY_PROBE = (
     "The quick brown fox jumps over the lazy dog. Prefix caching saves prefill: "
     "1234567890 \u00e9\u00e8\u00fc \u4f60\u597d"
 )
+# the chat probe: a system message, two turns; checks the chat template, not only the tokenizer
+PARITY_CHAT: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are a careful assistant."},
+    {"role": "user", "content": PARITY_PROBE},
+    {"role": "assistant", "content": "Noted."},
+    {"role": "user", "content": "And the second question?"},
+]
 
 
 @dataclass(slots=True)
@@ -226,12 +233,27 @@ def _scopes(model: str | None) -> Callable[[str | None], str | None]:
 
 
 async def check_parity(
-    session: aiohttp.ClientSession, url: str, model: str | None, encode: Callable[[str], list[int]]
+    session: aiohttp.ClientSession, url: str, model: str | None, chunker: Any
 ) -> bool | None:
-    """Does the engine tokenize the probe as the gateway does? None when the replica cannot say."""
-    body: dict[str, Any] = {"prompt": PARITY_PROBE}
+    """Does the engine tokenize as the gateway does? A completion probe against
+    `chunker.encode`, then a chat probe against `chunker.chat_prompt` (the chat template).
+    None when the replica cannot say; a replica that tokenizes no chats is judged on the first."""
+    text = await _tokenize(session, url, model, {"prompt": PARITY_PROBE})
+    if text is None:
+        return None
+    if text != list(chunker.encode(PARITY_PROBE)):
+        return False
+    chat = await _tokenize(
+        session, url, model, {"messages": PARITY_CHAT, "add_generation_prompt": True}
+    )
+    return True if chat is None else chat == list(chunker.chat_prompt(PARITY_CHAT))
+
+
+async def _tokenize(
+    session: aiohttp.ClientSession, url: str, model: str | None, body: dict[str, Any]
+) -> list[int] | None:
     if model:
-        body["model"] = model
+        body = {**body, "model": model}
     try:
         async with session.post(
             url + "/tokenize", json=body, timeout=aiohttp.ClientTimeout(total=5)
@@ -244,4 +266,4 @@ async def check_parity(
     tokens = data.get("tokens") if isinstance(data, dict) else None
     if not isinstance(tokens, list):
         return None
-    return [int(t) for t in tokens] == list(encode(PARITY_PROBE))
+    return [int(t) for t in tokens]

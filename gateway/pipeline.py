@@ -101,7 +101,7 @@ class Pipeline:
         prompt = router.prompt(req)
         tokens = prompt[1]
         pool = self.pick_pool(req, tokens)
-        ctx.pool, ctx.prompt_tokens, ctx.t_route = pool.name, tokens, prompt[2]
+        ctx.pool, ctx.prompt_tokens = pool.name, tokens
         rid = headers.get(b"x-request-id")
         ctx.request_id = rid.decode("latin-1")[:128] if rid else os.urandom(16).hex()
         extra = [(b"x-request-id", ctx.request_id.encode("latin-1"))]
@@ -119,6 +119,7 @@ class Pipeline:
             session.decode("latin-1") if session else None,
             tenant.cache_salt,
         )
+        ctx.t_route = time.perf_counter_ns()
         routing = router.prepare(req, pool, inp, prompt)
         await router.match(pool, routing)  # outside admission: a Redis round trip queues no one
         ctx.t_queue = time.perf_counter_ns()

@@ -78,13 +78,13 @@ class Router:
 
     # --- hash ------------------------------------------------------------------------------
     def prompt(self, req: ParsedRequest) -> tuple[str | Sequence[int], int, int]:
-        """The prompt as the engine sees it (text or ids), its estimated tokens, and when this
-        began (perf_counter_ns; the hash stage is timed from here)."""
+        """The prompt as the engine sees it (text or ids), its estimated tokens, and the ns
+        this took (counted in the hash stage)."""
         t0 = time.perf_counter_ns()
         chunker = self.source.chunker
         prompt = prompt_of(req, chunker)
         tokens = chunker.estimate_tokens(prompt) if isinstance(prompt, str) else len(prompt)
-        return prompt, tokens, t0
+        return prompt, tokens, time.perf_counter_ns() - t0
 
     def prepare(
         self,
@@ -94,7 +94,8 @@ class Router:
         prompt: tuple[str | Sequence[int], int, int],
     ) -> Routing:
         """Scope and block hashes of `prompt` (none when the pool's policy ignores them)."""
-        text, tokens, t0 = prompt
+        t0 = time.perf_counter_ns()
+        text, tokens, render_ns = prompt
         chunker = self.source.chunker
         scope = scope_key(req.model, salt=cache_salt(req, inp.tenant_salt))
         hashes: list[int] = []
@@ -117,7 +118,7 @@ class Router:
             priority=inp.priority,
             tenant=inp.tenant,
         )
-        return Routing(routed, text, time.perf_counter_ns() - t0)
+        return Routing(routed, text, render_ns + time.perf_counter_ns() - t0)
 
     # --- match -----------------------------------------------------------------------------
     async def match(self, pool: Pool, routing: Routing) -> None:
@@ -226,10 +227,16 @@ class Dispatch:
         replica.dispatched(self.uncached, max(0, routed.n_blocks - view.hit_blocks))
 
     async def record(self) -> None:
-        """The replica will hold the prompt's blocks: count them in the index now."""
-        routed = self.routed
-        if self.index is not None and routed.block_hashes:
-            await self.index.record(routed.scope, self.replica.name, routed.block_hashes)
+        """The replica will hold the prompt's blocks: count them in the index now, without
+        waiting for a remote backend (its local view and the memory index have them at once)."""
+        routed, index = self.routed, self.index
+        if index is None or not routed.block_hashes:
+            return
+        nowait = getattr(index, "record_nowait", None)
+        if nowait is not None:
+            nowait(routed.scope, self.replica.name, routed.block_hashes)
+        else:
+            await index.record(routed.scope, self.replica.name, routed.block_hashes)
 
     def prefilled(self) -> None:
         """The first token arrived: the prompt is no longer queued prefill work."""

@@ -192,17 +192,17 @@ class Gateway:
         """Token parity, at start and then periodically: a mismatch means precise routing would
         silently never hit, so fall back to bytes mode, loudly."""
         while True:
-            encode = getattr(self.chunker, "encode", None)
-            if encode is None:  # already fell back
+            chunker = self.chunker
+            if getattr(chunker, "encode", None) is None:  # already fell back
                 return
             for r in self.all_replicas():
                 model = await self.served_model(r)
-                same = await check_parity(self.session, r.url, model, encode)
+                same = await check_parity(self.session, r.url, model, chunker)
                 self.parity[r.name] = -1 if same is None else int(same)
                 if same is False:
                     log.error(
-                        "TOKEN PARITY FAILED: replica %s tokenizes differently from "
-                        "index.chunking.tokenizer; falling back to bytes mode (prefix routing "
+                        "TOKEN PARITY FAILED: replica %s tokenizes (or renders chats) differently "
+                        "from index.chunking.tokenizer / chat_template; falling back to bytes mode (prefix routing "
                         "keeps working from routing decisions; KV events are ignored)",
                         r.name,
                     )

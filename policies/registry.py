@@ -63,7 +63,7 @@ TABLE: Mapping[str, Mapping[str, str]] = MappingProxyType(
 )
 
 POLICY_NAMES: tuple[str, ...] = tuple(TABLE["policy"])
-DEFAULT_POLICY = "ttft"  # picked by bench/routing.py: 11 of 12 goals, see docs/routing-benchmark.md
+DEFAULT_POLICY = "ttft"  # picked by bench/routing.py (most goals met); README, Benchmarks
 DEFAULT_FILTERS: tuple[str, ...] = ("healthy", "serves_model", "not_saturated")
 SPEC_KEYS: tuple[str, ...] = ("name", "preset", "filters", "scorers", "picker", "guard")
 _METHOD = {"filter": "keep", "scorer": "score", "picker": "pick"}

@@ -113,25 +113,3 @@ def media_digest(part: Any) -> str:
     (`detail`, ...) join the digest, since they may change what the engine encodes.
     """
     return digest(part)
-
-
-def render_chatml(
-    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-) -> str:
-    """Messages as the ChatML template renders them (Qwen's and the simulator's default format):
-    `<|im_start|>role\\ncontent<|im_end|>\\n` per message, then `<|im_start|>assistant\\n`. Text
-    parts of a list content are joined by newlines; `developer` renders as `system`. Used in
-    tokens mode when the tokenizer directory has no chat template of its own."""
-    out = []
-    for m in messages:
-        role = str(m.get("role", "user"))
-        role = "system" if role == "developer" else role
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "\n".join(
-                str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type") == "text"
-            )
-        out.append(f"<|im_start|>{role}\n{content or ''}<|im_end|>\n")
-    if add_generation_prompt:
-        out.append("<|im_start|>assistant\n")
-    return "".join(out)

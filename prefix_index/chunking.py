@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import xxhash
 
-from prefix_index.chat import render_chat, render_chatml
+from prefix_index.chat import render_chat
 from prefix_index.constants import DEFAULT_BLOCK_BYTES, DEFAULT_BLOCK_SIZE
 
 __all__ = [
@@ -24,7 +24,6 @@ __all__ = [
     "ChainHasher",
     "make_chunker",
     "render_chat",
-    "render_chatml",
     "scope_key",
 ]
 
@@ -205,7 +204,7 @@ class TokenChunker:
         add_special_tokens: bool = True,
         chat_template: str | os.PathLike[str] | None = None,
     ) -> None:
-        from prefix_index.templates import load_chat_template
+        from prefix_index.templates import chatml_template, load_chat_template
 
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -219,6 +218,7 @@ class TokenChunker:
         self._template = (
             None if chat_template == "chatml" else load_chat_template(path, chat_template)
         )
+        self._chatml = chatml_template()
         self.chat_template_origin = "chatml" if self._template is None else self._template.origin
         self.block_size = block_size
         self.tokens_per_block = float(block_size)
@@ -240,16 +240,20 @@ class TokenChunker:
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The token ids the engine prefills for a chat (with its generation prompt)."""
         template = self._template
-        if template is None:
-            return self.encode(render_chatml(messages))
+        if template is not None:
+            try:
+                text = template.render(messages)
+            except Exception:  # noqa: BLE001 - hashing never fails a request
+                # The template rejects these messages (a bad role order, say): the engine
+                # answers the client's error; the gateway still routes, as ChatML.
+                pass
+            else:
+                ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
+                return ids
         try:
-            text = template.render(messages)
-        except Exception:  # noqa: BLE001 - hashing never fails a request
-            # The template rejects these messages (a bad role order, say): the engine answers
-            # the client's error; the gateway still routes, by a rendering of its own.
-            return self.encode(render_chatml(messages))
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return ids
+            return self.encode(self._chatml.render(messages))
+        except Exception:  # noqa: BLE001 - odd messages: hash their bytes rendering
+            return self.encode(render_chat(messages))
 
     def hash_text(self, scope: str, text: str) -> list[int]:
         return self.hash_tokens(scope, self.encode(text))

@@ -124,6 +124,10 @@ class MemoryIndex:
 
     # -- the same, synchronous (for callers that are not coroutines) --------------------------
 
+    def record_nowait(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+        """`record` without awaiting (the router's write at dispatch)."""
+        self.record_now(scope, replica, hashes)
+
     def match_local(
         self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
     ) -> dict[str, int]:

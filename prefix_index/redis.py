@@ -208,8 +208,20 @@ class RedisIndex:
         return result
 
     async def record(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+        write = self._record_write(scope, replica, hashes)
+        if write is not None:
+            await self._write(scope, write)
+
+    def record_nowait(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+        """`record` queued without waiting for Redis (the local view has it at once): the
+        router's write at dispatch, which must not hold a pool's admission turn."""
+        write = self._record_write(scope, replica, hashes)
+        if write is not None:
+            self._write_nowait(scope, write)
+
+    def _record_write(self, scope: str, replica: str, hashes: Sequence[int]) -> Write | None:
         if not hashes or self._closed:
-            return
+            return None
         if self._local is not None:
             self._local.record_now(scope, replica, hashes)
         keys = self._scope_keys(scope)
@@ -226,7 +238,7 @@ class RedisIndex:
         ]  # fmt: skip
         commands.append(("SADD", replica_scopes_key(self.namespace, replica), keys.sid))
         commands.append(("SADD", replicas_key(self.namespace), replica))
-        await self._write(scope, Write(commands, blocks=len(hashes)))
+        return Write(commands, blocks=len(hashes))
 
     async def evict(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         if not hashes or self._closed:
@@ -297,17 +309,20 @@ class RedisIndex:
 
     async def _write(self, scope: str | None, write: Write) -> None:
         """Queue a write; wait for its batch unless Redis is out (then it stays buffered)."""
+        self._write_nowait(scope, write, wait=True)
+        if write.done is not None:
+            await asyncio.shield(write.done)
+
+    def _write_nowait(self, scope: str | None, write: Write, wait: bool = False) -> None:
         if scope is None:
             self._generation = {s: g + 1 for s, g in self._generation.items()}
             self._cache.clear()
         else:
             self._generation[scope] = self._generation.get(scope, 0) + 1
-        if not self._down:
+        if wait and not self._down:
             write.done = asyncio.get_running_loop().create_future()
         self._queue.push(write)
-        if write.done is not None:
-            self._kick()
-            await asyncio.shield(write.done)
+        self._kick()
 
     def _kick(self) -> None:
         if self._down or self._closed:

@@ -15,11 +15,42 @@ from typing import Any
 
 from prefix_index.chat import media_digest
 
-__all__ = ["ChatTemplate", "engine_messages", "load_chat_template", "special_tokens"]
+__all__ = [
+    "CHATML",
+    "ChatTemplate",
+    "chatml_template",
+    "engine_messages",
+    "load_chat_template",
+    "special_tokens",
+]
 
 TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save the template
 CONFIG_FILE = "tokenizer_config.json"
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# ChatML as Qwen2.5 renders a chat without tools or a default system message: what tokens mode
+# uses when the tokenizer has no template of its own (and for chats a template rejects).
+CHATML = (  # every output is an expression: trim_blocks / lstrip_blocks never touch it
+    "{%- for m in messages %}"
+    "{%- set role = 'system' if m.role == 'developer' else m.role %}"
+    "{%- if role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' ~ m.content ~ '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif role == 'assistant' and m.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}{%- if m.content %}{{- '\\n' ~ m.content }}{%- endif %}"
+    "{%- for call in m.tool_calls %}"
+    "{%- set f = call.function if call.function is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' ~ (f.name or '') ~ '\", \"arguments\": ' ~"
+    " ((f.arguments if f.arguments is defined else {}) | tojson) ~ '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' ~ role ~ '\\n' ~ m.content ~ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_CHATML: list[ChatTemplate] = []  # compiled on first use
 
 
 class ChatTemplate:
@@ -56,6 +87,13 @@ class ChatTemplate:
             **self.special,
         )
         return text
+
+
+def chatml_template() -> ChatTemplate:
+    """The built-in ChatML template (compiled once per process)."""
+    if not _CHATML:
+        _CHATML.append(ChatTemplate(CHATML, origin="built-in ChatML"))
+    return _CHATML[0]
 
 
 def load_chat_template(

@@ -243,6 +243,18 @@ def test_a_template_that_rejects_the_chat_still_routes(dirs: dict[str, str]) -> 
         TokenizerJson(dirs["mistral"]).encode_chat(bad)
 
 
+async def test_parity_fails_when_the_gateway_renders_chats_with_another_template(
+    dirs: dict[str, str],
+) -> None:
+    """Same tokenizer, other chat template: the completion probe agrees, the chat probe does not."""
+    name = sorted(MODELS)[0]
+    async with Fleet(n=1, speedup=1000.0, tokenizer=dirs[name]) as fleet:
+        async with aiohttp.ClientSession() as session:
+            wrong = TokenChunker(dirs[name], chat_template="chatml")
+            assert await check_parity(session, fleet.urls[0], None, wrong) is False
+            assert await check_parity(session, fleet.urls[0], None, TokenChunker(dirs[name])) is True
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
 async def test_tokenize_parity_against_a_simulated_replica(
     dirs: dict[str, str], model: str
@@ -252,7 +264,7 @@ async def test_tokenize_parity_against_a_simulated_replica(
     async with Fleet(n=1, speedup=1000.0, tokenizer=dirs[model]) as fleet:
         url = fleet.urls[0]
         async with aiohttp.ClientSession() as session:
-            assert await check_parity(session, url, None, chunker.encode) is True
+            assert await check_parity(session, url, None, chunker) is True
         async with httpx.AsyncClient(timeout=10.0) as http:
             r = await http.post(url + "/tokenize", json={"messages": messages})
             assert r.status_code == 200 and r.json()["tokens"] == chunker.chat_prompt(messages)
@@ -313,8 +325,10 @@ def test_config_accepts_a_directory_and_names_each_problem(
     assert problem.startswith("index.chunking.tokenizer:") and "has no tokenizer.json" in problem
     [problem] = chunking_problems(tokenizer=str(tmp_path / "nowhere"))
     assert problem.startswith("index.chunking.tokenizer:")
-    [problem] = chunking_problems(tokenizer=dirs["qwen2.5"], chat_template="canonical")
-    assert problem.startswith("index.chunking.chat_template: no such file 'canonical'")
+    # the old name of the default is still accepted and means the default
+    assert chunking_problems(tokenizer=dirs["qwen2.5"], chat_template="canonical") == []
+    [problem] = chunking_problems(tokenizer=dirs["qwen2.5"], chat_template="nowhere.jinja")
+    assert problem.startswith("index.chunking.chat_template: no such file 'nowhere.jinja'")
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% if messages %}never closed")
     [problem] = chunking_problems(tokenizer=dirs["qwen2.5"], chat_template=str(broken))
@@ -326,3 +340,17 @@ def test_config_accepts_a_directory_and_names_each_problem(
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x"}))
     [problem] = chunking_problems(tokenizer=str(folder))
     assert problem.startswith("index.chunking.tokenizer:") and "tokenizer_config.json" in problem
+
+
+@pytest.mark.parametrize("shape", ["agent", "multi_turn", "system", "text_parts"])
+def test_builtin_chatml_matches_the_simulators_for_every_chat_shape(tmp_path: Path, shape: str) -> None:
+    """A bare tokenizer.json (no template): both sides render ChatML, tool calls and results
+    included, and cut the same ids."""
+    from bench.shapes import SHAPES
+
+    path = tmp_path / "tokenizer.json"
+    train_tokenizer().save(str(path))
+    gateway, engine = TokenChunker(path), TokenizerJson(path)
+    for r in SHAPES[shape](12, 5.0, 0):
+        messages = r.body["messages"]
+        assert gateway.chat_prompt(messages) == engine.encode_chat(messages)
