@@ -1,14 +1,14 @@
 """Routing benchmark: every policy on seeded workloads in the discrete-event simulator, one table.
 
-The real routing code runs inside the DES (bench/routing_routers.py: chunker, MemoryIndex,
-ReplicaState views, build_policy, the gateway's in-flight accounting) in front of 8 simulated
-replicas; the goals of issue 5 are checked per policy and the default is picked from them.
-docs/routing-benchmark.md has the workloads, the load derivation and the measured tables.
+Every workload is the OpenAI bodies clients send, one prompt shape each (bench/shapes.py); the
+gateway's own routing unit routes them inside the DES (bench/routing_routers.py: DesRouter, the
+bodies parsed by the gateway's parser) in front of 8 simulated replicas; the goals are checked
+per policy and the default is picked from them. docs/routing-benchmark.md has the workloads.
 
-    .venv/bin/python -m bench.routing                      # everything, ~7 min
-    .venv/bin/python -m bench.routing --quick              # small runs, ~1 min
+    .venv/bin/python -m bench.routing                      # everything, ~5 min
+    .venv/bin/python -m bench.routing --quick              # small runs, ~30 s
     .venv/bin/python -m bench.routing --workload multi_turn --policies round_robin ttft
-    .venv/bin/python -m bench.routing --http               # real gateway over HTTP vs the DES
+    .venv/bin/python -m bench.routing --http               # the real gateway over HTTP, per shape
 """
 
 from __future__ import annotations
@@ -518,21 +518,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--http",
         action="store_true",
-        help="instead: the real gateway over HTTP against simulated replicas, "
-        "round_robin vs the default, beside the same requests in the DES",
+        help="instead: the real gateway over HTTP against 4 simulated replicas, the default "
+        "vs sglang_cache_aware and round_robin, per prompt shape (bench/routing_http.py)",
     )
     ap.add_argument(
         "--default",
         default="ttft",
-        help="the policy --http compares with round_robin (default: ttft)",
+        help="the policy --http compares with the baselines (default: ttft)",
     )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.http:
         from bench.routing_http import http_main
 
-        name = "shared_prompts" if args.workload == "all" else args.workload
-        return asyncio.run(http_main(WORKLOADS[name], args))
+        if args.workload not in ("all", *SHAPE_WORKLOADS):
+            raise SystemExit(f"--http runs the prompt shapes: {', '.join(SHAPE_WORKLOADS)}")
+        shapes = SHAPE_WORKLOADS if args.workload == "all" else (args.workload,)
+        return asyncio.run(http_main(shapes, args))
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     t = time.perf_counter()
     runs = asyncio.run(bench(names, args.policies, args.requests, args.seed, args.quick))
