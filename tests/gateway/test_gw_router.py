@@ -146,3 +146,46 @@ async def test_dead_replica_dispatch_is_taken_back_and_the_retry_keeps_the_block
             assert routing.hits.get("r0", 0) == 0 and routing.hits["r1"] == n
         finally:
             await gw.stop()
+
+
+async def test_a_tenant_cache_salt_reaches_the_engine_and_scopes_the_index() -> None:
+    up = Upstream("r0")
+    server = await start_server(up)
+    keys = {"a": "key-a-0123456789abcdef", "b": "key-b-0123456789abcdef"}
+    cfg = parse_config(
+        {
+            "pools": {"chat": {"replicas": [{"url": server.url, "name": "r0"}],
+                               "policy": "prefix_aware"}},  # fmt: skip
+            "auth": "required",
+            "tenants": [
+                {"name": "a", "api_keys": [keys["a"]], "cache_salt": "salt-of-tenant-a"},
+                {"name": "b", "api_keys": [keys["b"]]},
+            ],
+        }
+    )
+    app = create_app(cfg)
+    gw = await start_server(app, lifespan="on")
+    try:
+        prompt = text("salted-doc", 256) + "\nq?"
+        async with httpx.AsyncClient(timeout=30) as h:
+            for tenant, salt in (("a", None), ("a", "mine"), ("b", None)):
+                body = {**chat(prompt), "stream": False}
+                if salt:
+                    body["cache_salt"] = salt
+                res = await h.post(
+                    gw.url + "/v1/chat/completions",
+                    json=body,
+                    headers={"authorization": f"Bearer {keys[tenant]}"},
+                )
+                assert res.status_code == 200, res.text
+        sent = [orjson.loads(b).get("cache_salt") for b in up.bodies]
+        assert sent == ["salt-of-tenant-a", "salt-of-tenant-a/mine", None]
+        # three scopes: nothing recorded for one tenant is a hit for another
+        index = app.gateway.index
+        stats = index.stats_now()
+        assert stats.blocks_per_replica["r0"] == 3 * len(
+            app.gateway.chunker.hash_text("x", app.gateway.chunker.chat_prompt(chat(prompt)["messages"]))
+        )
+    finally:
+        await gw.stop()
+        await server.stop()
