@@ -28,8 +28,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .config import Config
-from .endpoint import ProxyEndpoint, Receive, Scope, Send
-from .errors import GatewayError, MethodNotAllowed, NotFound, Unauthorized, error_payload
+from .endpoint import BUSY_RETRY_S, BodyBudget, ProxyEndpoint, Receive, Scope, Send, send_error
+from .errors import (
+    ConfigRejected,
+    GatewayError,
+    MethodNotAllowed,
+    NotFound,
+    ServerBusy,
+    Unauthorized,
+    error_payload,
+)
 from .openapi import openapi_document
 from .pipeline import Pipeline
 from .reload import ConfigReloader
@@ -83,25 +91,54 @@ def admin_only(gateway: Gateway, handler: Handler) -> Handler:
     return guarded
 
 
+# answered even when every request slot is taken: probes must tell "busy" from "dead"
+UNLIMITED_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
 class GatewayApp:
-    """The ASGI callable: proxy paths straight to their endpoint, the rest to Starlette."""
+    """The ASGI callable: proxy paths straight to their endpoint, the rest to Starlette.
+
+    It also holds the request slots (`server.max_connections`, read per request so a reload
+    applies at once): a request beyond them gets an OpenAI-shaped 503 with Retry-After before
+    its body is read; UNLIMITED_PATHS take no slot.
+    """
 
     def __init__(self, gateway: Gateway, rest: Starlette) -> None:
         self.gateway = gateway
         self.rest = rest
+        self.inflight = 0  # requests holding a slot
+        self.bodies = BodyBudget()
         pipeline = Pipeline(gateway)
         self._proxy = {
-            "/v1/chat/completions": ProxyEndpoint(pipeline, "chat"),
-            "/v1/completions": ProxyEndpoint(pipeline, "completions"),
+            "/v1/chat/completions": ProxyEndpoint(pipeline, "chat", self.bodies),
+            "/v1/completions": ProxyEndpoint(pipeline, "completions", self.bodies),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self._proxy.get(scope["path"])
+        if scope["type"] != "http" or scope["path"] in UNLIMITED_PATHS:
+            await self.rest(scope, receive, send)
+            return
+        endpoint = self._proxy.get(scope["path"]) if scope["method"] == "POST" else None
+        slots = self.gateway.config.server.max_connections
+        if slots is not None and self.inflight >= slots:
+            busy = ServerBusy(
+                f"The gateway is serving its limit of {slots} requests; retry shortly",
+                code="max_connections",
+                retry_after=BUSY_RETRY_S,
+            )
+            if endpoint is not None:
+                await endpoint.refuse(send, busy)
+            else:
+                await send_error(send, busy, close=True)
+            return
+        self.inflight += 1
+        try:
             if endpoint is not None:
                 await endpoint(scope, receive, send)
-                return
-        await self.rest(scope, receive, send)
+            else:
+                await self.rest(scope, receive, send)
+        finally:
+            self.inflight -= 1
 
 
 class _ModelList:
@@ -159,8 +196,8 @@ def create_app(
 
     async def ready(request: Request) -> Response:
         now = time.monotonic()
-        pools = {
-            name: sum(1 for r in pool.replicas if r.available(now))
+        pools = {  # proven replicas: circuit closed; a half-open one is on trial, not counted
+            name: sum(1 for r in pool.replicas if r.proven(now))
             for name, pool in gateway.pools.items()
         }
         ok = all(n > 0 for n in pools.values())
@@ -188,8 +225,13 @@ def create_app(
             return _error(
                 NotFound("This gateway was not started from a config file", code="no_config_file")
             )
-        ok = await reloader.reload("admin request")
-        return _json({"applied": ok, "version": reloader.version()}, 200 if ok else 422)
+        if await reloader.reload("admin request"):
+            return _json({"applied": True, "version": reloader.version()})
+        version = reloader.version()
+        exc = ConfigRejected(
+            version["last_error"] or "reload failed", code=reloader.last_error_code
+        )
+        return _json({**error_payload(exc), "applied": False, "version": version}, exc.status)
 
     async def openapi_json(request: Request) -> Response:
         return _json(openapi_document(gateway.config.priority_classes))  # classes follow reloads

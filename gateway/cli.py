@@ -110,7 +110,8 @@ def serve(
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(config.server.graceful_shutdown_s),
-        limit_concurrency=config.server.max_connections,
+        # no limit_concurrency: the app holds server.max_connections itself, so health probes
+        # stay exempt and the 503 is OpenAI-shaped (GatewayApp)
     )
     if workers > 1:
         assert config_path is not None

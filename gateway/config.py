@@ -47,18 +47,40 @@ class _Strict(BaseModel):
 
 
 class ServerConfig(_Strict):
+    """`server:`. Memory held by request bodies is bounded twice: each body by `max_body_bytes`
+    (read only once its API key checks out, and only until `body_timeout_s` after it started), and
+    all bodies in flight together by `max_body_bytes_in_flight` (past it a new body gets 503);
+    with that cap off, the bound is `max_body_bytes` × `max_connections`.
+
+    `max_connections` counts requests in flight (each holds a connection), per gateway process;
+    beyond it a request gets an OpenAI-shaped 503 at once. `/health`, `/ready` and `/metrics` are exempt: probes answer
+    while every slot is taken. Idle connections are not counted: they are closed by the header
+    deadline and the keep-alive timeout.
+    """
+
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_body_bytes_in_flight: int | None = Field(256 * 1024 * 1024, ge=1024)  # None: no cap
     graceful_shutdown_s: float = Field(30.0, ge=0)
-    body_timeout_s: float = Field(30.0, gt=0)  # longest wait for the next piece of a request body
-    max_connections: int | None = Field(None, ge=1)  # beyond it new requests get 503 at once
+    body_timeout_s: float = Field(30.0, gt=0)  # deadline for a WHOLE request body, from its start
+    max_connections: int | None = Field(None, ge=1)  # requests in flight; health probes exempt
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
     expose_upstream_errors: bool = True
     admin_key: SecretStr | None = (
         None  # required (Bearer) on /dashboard, /admin/*, /debug/*; unset: those are off
     )
+
+    @model_validator(mode="after")
+    def _cap_holds_one_body(self) -> ServerConfig:
+        cap = self.max_body_bytes_in_flight
+        if cap is not None and cap < self.max_body_bytes:
+            raise ValueError(
+                f"max_body_bytes_in_flight: {cap} is less than max_body_bytes ({self.max_body_bytes}); "
+                "the cap must hold at least one whole body"
+            )
+        return self
 
 
 class HealthConfig(_Strict):
@@ -254,6 +276,9 @@ class IndexConfig(_Strict):
     redis_url: str = "redis://127.0.0.1:6379/0"
     chunking: ChunkingConfig = ChunkingConfig()
     capacity_blocks: int = Field(200_000, ge=1)
+    # All scopes and replicas together (a scope also counts 8): ~300 MB in memory, see
+    # prefix_index/constants.py DEFAULT_MAX_BLOCKS. Past it the least recent scopes go first.
+    max_blocks: int = Field(2_000_000, ge=1_000)
     ttl_s: float | None = Field(600.0, gt=0)
     events: EventsConfig = EventsConfig()
 
@@ -329,8 +354,38 @@ class Config(_Strict):
         return None
 
     def redacted(self) -> dict[str, Any]:
-        """The resolved configuration as plain data, secrets masked (for `gateway check`)."""
-        return self.model_dump(mode="json")
+        """The resolved configuration as plain data, secrets masked (`gateway check`,
+        `/admin/config`): SecretStr fields, and the password of every URL's userinfo."""
+        shown: dict[str, Any] = mask_url_passwords(self.model_dump(mode="json"))
+        return shown
+
+
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s\"'<>]+")
+
+
+def _mask_url(m: re.Match[str]) -> str:
+    url = m.group()
+    scheme, _, rest = url.partition("://")
+    # the last @ of the URL ends the userinfo: a password may hold an unescaped / ? # or @
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not at:
+        return url
+    user, colon, password = userinfo.partition(":")
+    if not colon or not password:
+        return url
+    return f"{scheme}://{user}:***@{hostpart}"
+
+
+def mask_url_passwords(value: Any) -> Any:
+    """`value` with the password of every URL's userinfo shown as `***` (`redis://u:***@host/0`):
+    a string (a URL, or text that holds URLs), or lists and dicts of them, recursively."""
+    if isinstance(value, str):
+        return _URL_IN_TEXT.sub(_mask_url, value) if "://" in value else value
+    if isinstance(value, dict):
+        return {k: mask_url_passwords(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [mask_url_passwords(v) for v in value]
+    return value
 
 
 def _substitute_env(node: Any, path: str) -> Any:

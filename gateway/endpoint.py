@@ -1,6 +1,9 @@
-"""The ASGI endpoint for an OpenAI proxy path: read the body, run the pipeline, answer errors once.
+"""The ASGI endpoint for an OpenAI proxy path: check the key, read the body, run the pipeline,
+answer errors once.
 
-A client that disconnects cancels the request at once (its upstream socket is closed, so the engine
+The API key is checked before a byte of the body is read, and the whole body must arrive within
+`server.body_timeout_s`; the bytes of all bodies held at once are capped (`BodyBudget`). A client
+that disconnects cancels the request at once (its upstream socket is closed, so the engine
 aborts), and every request is recorded exactly once, whatever happened to it.
 """
 
@@ -12,7 +15,14 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from .errors import BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_body
+from .errors import (
+    BadRequest,
+    GatewayError,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServerBusy,
+    error_body,
+)
 from .openai import Kind
 from .pipeline import Ctx, Pipeline
 
@@ -24,50 +34,111 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 WATCH_AFTER_S = 0.02  # a client that leaves is noticed within this long (then at once)
 DRAIN_BYTES = 1 << 20  # an over-limit body this close to the limit is read and dropped, see below
+REFUSED_DRAIN_S = 1.0  # the most time spent dropping the body of a request refused before it
+BUSY_RETRY_S = 1.0  # Retry-After of a 503 for full request slots or body bytes
 
 
 class ClientGone(Exception):
     """The client disconnected before its request body was read."""
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float = 30.0) -> bytes:
+class BodyBudget:
+    """Bytes of request bodies held right now, all requests together, against one cap
+    (`server.max_body_bytes_in_flight`, read per request so a reload applies at once).
+
+    A body's bytes are charged as they arrive and stay charged until its request ends (the
+    pipeline keeps the body for retries); `release` gives them back.
+    """
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = 0
+
+    def check(self, n: int, cap: int | None) -> None:
+        """503 unless `n` more bytes fit under `cap` now."""
+        if cap is not None and self.held + n > cap:
+            raise ServerBusy(
+                f"The gateway holds its limit of {cap} bytes of request bodies; retry shortly",
+                code="body_bytes_in_flight",
+                retry_after=BUSY_RETRY_S,
+            )
+
+    def take(self, n: int, cap: int | None) -> None:
+        self.check(n, cap)
+        self.held += n
+
+    def release(self, n: int) -> None:
+        self.held -= n
+
+
+def declared_length(scope: Scope) -> int:
+    """The Content-Length header, -1 when there is none (chunked); 400 when it is not a number."""
+    for k, v in scope["headers"]:
+        if k == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                raise BadRequest("Invalid Content-Length header") from None
+    return -1
+
+
+async def read_body(
+    scope: Scope,
+    receive: Receive,
+    limit: int,
+    timeout_s: float = 30.0,
+    budget: BodyBudget | None = None,
+    cap: int | None = None,
+) -> bytes:
     """The whole request body, refusing (413) as soon as it passes `limit`; never buffered past it.
+
+    `timeout_s` is the deadline for the whole body, not for each piece: a client trickling a byte
+    at a time is let go (408) as surely as one that stops. With a `budget`, the body's bytes are
+    charged to it as they arrive (503 past `cap`) and stay charged once it is returned: the caller
+    releases `len(body)` when the request is done; on any error they are released here.
 
     A body that overshoots by at most DRAIN_BYTES is read on and dropped before the 413 goes out, so
     the client, still writing, can read the answer instead of a connection reset; a larger one is
     refused at once, unread.
     """
-    declared = -1
-    for k, v in scope["headers"]:
-        if k == b"content-length":
-            try:
-                declared = int(v)
-            except ValueError:
-                raise BadRequest("Invalid Content-Length header") from None
-            break
+    declared = declared_length(scope)
     if declared > limit + DRAIN_BYTES:
         raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the {limit}-byte limit")
-    parts: list[bytes] = []
-    size = 0
-    while True:
+    if budget is not None and declared > 0:
+        budget.check(declared, cap)  # a body that cannot fit now is refused before it is read
+    taken = 0
+    try:
+        parts: list[bytes] = []
+        size = 0
         try:
-            async with asyncio.timeout(timeout_s):  # a client that stops sending is let go
-                msg = await receive()
+            async with asyncio.timeout(timeout_s):  # a client too slow to send it is let go
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        raise ClientGone
+                    chunk = msg.get("body", b"")
+                    size += len(chunk)
+                    more = msg.get("more_body", False)
+                    if size > limit:
+                        await _drain(receive, more, size, limit)
+                        raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit")
+                    if budget is not None and chunk:
+                        budget.take(len(chunk), cap)
+                        taken += len(chunk)
+                    if not more and not parts:
+                        return chunk  # the usual case: the whole body in one message, no copy
+                    parts.append(chunk)
+                    if not more:
+                        return b"".join(parts)
         except TimeoutError:
-            raise RequestTimeout(f"No request body data for {timeout_s:g} s") from None
-        if msg["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        more = msg.get("more_body", False)
-        if size > limit:
-            await _drain(receive, more, size, limit)
-            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit")
-        if not more and not parts:
-            return chunk  # the usual case: the whole body in one message, no copy
-        parts.append(chunk)
-        if not more:
-            return b"".join(parts)
+            raise RequestTimeout(
+                f"The request body did not arrive within {timeout_s:g} s"
+            ) from None
+    except BaseException:
+        if budget is not None:
+            budget.release(taken)
+        raise
 
 
 async def _drain(receive: Receive, more: bool, size: int, limit: int) -> None:
@@ -81,6 +152,36 @@ async def _drain(receive: Receive, more: bool, size: int, limit: int) -> None:
         raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit")
 
 
+async def discard_body(scope: Scope, receive: Receive, within_s: float) -> bool:
+    """Read and drop a refused request's body, if it is small and quick, so that the client can
+    read the refusal rather than a connection reset; give up past DRAIN_BYTES or `within_s`.
+    True when the whole body was read (the connection can be kept).
+
+    Nothing is kept. A client that waits for `100 Continue` is not invited to send its body.
+    """
+    for k, v in scope["headers"]:
+        if k == b"expect" and v.lower() == b"100-continue":
+            return False
+    try:
+        if declared_length(scope) > DRAIN_BYTES:
+            return False
+    except BadRequest:
+        return False
+    size = 0
+    try:
+        async with asyncio.timeout(within_s):
+            while size <= DRAIN_BYTES:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return False
+                size += len(msg.get("body", b""))
+                if not msg.get("more_body", False):
+                    return True
+    except TimeoutError:
+        pass
+    return False
+
+
 async def send_error(send: Send, exc: GatewayError, close: bool = False) -> None:
     body = error_body(exc)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -92,9 +193,15 @@ async def send_error(send: Send, exc: GatewayError, close: bool = False) -> None
 
 
 class ProxyEndpoint:
-    def __init__(self, pipeline: Pipeline, kind: Kind) -> None:
+    def __init__(self, pipeline: Pipeline, kind: Kind, bodies: BodyBudget) -> None:
         self.pipeline = pipeline
         self.kind = kind
+        self.bodies = bodies
+
+    async def refuse(self, send: Send, exc: GatewayError) -> None:
+        """Answer `exc` without reading the body (full request slots), recorded like any request."""
+        await self.pipeline.finish(Ctx(time.perf_counter_ns()), exc)
+        await send_error(send, exc, close=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ctx = Ctx(time.perf_counter_ns())
@@ -103,18 +210,47 @@ class ProxyEndpoint:
         tracing = pipeline.gw.tracing
         if tracing.enabled:
             ctx.trace = tracing.start(headers, time.time_ns())
+        server = pipeline.gw.config.server
         try:
-            server = pipeline.gw.config.server
-            raw = await read_body(scope, receive, server.max_body_bytes, server.body_timeout_s)
+            # the key first: a client without one gets no memory and no time for its body
+            ctx.tenant = pipeline.gw.tenants.identify(headers.get(b"authorization")).name
+        except GatewayError as exc:
+            await pipeline.finish(ctx, exc)
+            read = await discard_body(scope, receive, min(REFUSED_DRAIN_S, server.body_timeout_s))
+            await send_error(send, exc, close=not read)
+            return
+        try:
+            raw = await read_body(
+                scope,
+                receive,
+                server.max_body_bytes,
+                server.body_timeout_s,
+                self.bodies,
+                server.max_body_bytes_in_flight,
+            )
         except ClientGone:
             ctx.outcome = "client_disconnected"
             await pipeline.finish(ctx, None)
             return
-        except GatewayError as exc:  # 413 or a bad Content-Length: the rest of the body is unread
+        except GatewayError as exc:  # 413, 408, 503 or a bad Content-Length: the rest is unread
             await pipeline.finish(ctx, exc)
             await send_error(send, exc, close=True)
             return
+        try:
+            await self._handle(scope, receive, send, raw, headers, ctx)
+        finally:
+            self.bodies.release(len(raw))
 
+    async def _handle(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        raw: bytes,
+        headers: dict[bytes, bytes],
+        ctx: Ctx,
+    ) -> None:
+        pipeline = self.pipeline
         started = False
 
         async def tracked_send(message: MutableMapping[str, Any]) -> None:

@@ -6,10 +6,13 @@
     ├── Forbidden                     403 permission_error
     ├── NotFound                      404 not_found_error (unknown model / path)
     ├── MethodNotAllowed              405 invalid_request_error
-    ├── RequestTimeout                408 invalid_request_error (the body stopped arriving)
+    ├── RequestTimeout                408 invalid_request_error (the body was not in by its deadline)
     ├── PayloadTooLarge               413 invalid_request_error
+    ├── ConfigRejected                422 invalid_request_error   (admin reload: nothing changed)
     ├── RateLimited                   429 rate_limit_error        (Retry-After)
+    │   └── RequestExceedsLimit       429 rate_limit_error        (none: it can never fit)
     ├── Shed                          429 | 503 overloaded_error  (Retry-After)
+    ├── ServerBusy                    503 service_unavailable     (Retry-After: slots or body bytes)
     └── UpstreamError                 502 upstream_error
         ├── NoReplicaAvailable        503 service_unavailable     (Retry-After)
         └── UpstreamTimeout           504 timeout_error
@@ -93,10 +96,24 @@ class PayloadTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class ConfigRejected(GatewayError):
+    """A reload that changed nothing: the file is invalid, or valid but could not be applied."""
+
+    status = 422
+    type = "invalid_request_error"
+    code = "invalid_config"
+
+
 class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
+
+
+class RequestExceedsLimit(RateLimited):
+    """One request asks for more than a bucket can ever hold (max_tokens above tokens_per_minute)."""
+
+    code = "request_exceeds_limit"
 
 
 class Shed(GatewayError):
@@ -107,6 +124,14 @@ class Shed(GatewayError):
     def __init__(self, message: str, *, status: int = 429, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.status = status
+
+
+class ServerBusy(GatewayError):
+    """The gateway itself is full (request slots, or bytes of request bodies held), not a pool."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "server_busy"
 
 
 class UpstreamError(GatewayError):

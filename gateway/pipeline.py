@@ -17,6 +17,7 @@ import orjson
 
 from policies.types import Decision
 
+from .config import TimeoutsConfig
 from .errors import GatewayError, NoReplicaAvailable, NotFound, UpstreamError, UpstreamTimeout
 from .openai import Kind, ParsedRequest, parse_body
 from .proxy import (
@@ -148,20 +149,29 @@ class Pipeline:
     async def limit(
         self, tenant: Tenant, req: ParsedRequest, tokens: int, ctx: Ctx
     ) -> list[tuple[bytes, bytes]]:
-        """Charge the tenant's buckets (requests, prompt estimate + max_tokens); 429 when empty."""
+        """Charge the tenant's buckets (requests, prompt estimate + max_tokens); 429 when empty.
+
+        A request that can never fit a bucket (max_tokens deeper than it) gets a 429 that says
+        so. `ctx.charged` is what each token bucket gave: `finish` gives back no more than that.
+        """
         limiter = self.gw.limiter
         rules = tenant.rules(req.model) if limiter is not None else []
         if not rules:
             return []
         assert limiter is not None
-        verdict = await limiter.acquire(
-            tenant.name, rules, costs_for(rules, tokens, req.max_tokens)
-        )
+        costs = costs_for(rules, tokens, req.max_tokens)
+        verdict = await limiter.acquire(tenant.name, rules, costs)
         if not verdict.allowed:
             for name in verdict.blocked:
                 self.gw.metrics.limited.labels(tenant.name, name).inc()
-            raise rate_limited(verdict, tenant.name)
-        ctx.charged = [(r, tokens + (req.max_tokens or 0)) for r in rules if r.unit == "tokens"]
+            raise rate_limited(
+                verdict, tenant.name, prompt_tokens=tokens, max_tokens=req.max_tokens
+            )
+        ctx.charged = [  # a degraded verdict (backend down) took nothing
+            (r, 0 if verdict.degraded else int(c))
+            for r, c in zip(rules, costs, strict=True)
+            if r.unit == "tokens"
+        ]
         return ratelimit_headers(verdict)
 
     def upstream_body(self, req: ParsedRequest, priority: str, tenant_salt: str | None) -> bytes:
@@ -170,8 +180,10 @@ class Pipeline:
         changes: dict[str, Any] = {}
         if tenant_salt is not None:  # the engine keeps this tenant's KV apart from others'
             changes["cache_salt"] = cache_salt(req, tenant_salt)
-        if isinstance(req.body.get("priority"), str):
-            changes["priority"] = None  # a class name is ours; engines expect an integer
+        if "priority" in req.body:
+            # the engine's priority is the gateway's to set: a class name is ours, and a client's
+            # integer would jump the engine's queue past the class the gateway gave it
+            changes["priority"] = None
         if self.gw.config.admission.forward_priority:
             changes["priority"] = self.gw.tenants.vllm_priority(priority)
         if req.stream and not req.include_usage:
@@ -229,14 +241,15 @@ class Pipeline:
             if state:
                 up_headers.append((b"tracestate", state.encode()))
         failures: list[str] = []
-        timed_out = False
+        fired: list[str] = []  # the timeout that ended each timed-out attempt
         deadline = (
             time.monotonic() + pc.timeouts.total_s
         )  # total_s bounds the whole request, retries included
         assert routing.decision is not None
         router = self.gw.router
         attempt: Dispatch | None = first
-        candidates = iter(routing.decision.ranked[1 : pc.retries + 1])
+        candidates = iter(routing.decision.ranked[1:])
+        retries = pc.retries  # a failed trial of a half-open replica does not use one up
         while attempt is not None:
             current = attempt
             name = current.replica.name
@@ -246,7 +259,7 @@ class Pipeline:
             left = deadline - time.monotonic()
             try:
                 if left <= 0:
-                    timed_out = True
+                    fired.append("total_s")
                     await current.failed("timeout (total_s)")
                     break
                 try:
@@ -263,9 +276,14 @@ class Pipeline:
                 except Retryable as exc:
                     await current.failed(exc.reason)
                     failures.append(f"{name}: {exc.reason}")
-                    timed_out = timed_out or exc.reason.startswith("timeout")
+                    spent = (time.perf_counter_ns() - t_sent) / 1e9
+                    which = _timeout_fired(exc.reason, pc.timeouts, req.stream, left, spent)
+                    if which is not None:
+                        fired.append(which)
                     self.gw.metrics.attempts.labels(pool.name, name, _attempt_outcome(exc)).inc()
-                    nxt = next(candidates, None)
+                    if current.view.circuit != "half_open":
+                        retries -= 1
+                    nxt = next(candidates, None) if retries >= 0 else None
                     attempt = await router.dispatch(pool, routing, nxt) if nxt else None
                     continue
                 ctx.t_first = time.perf_counter_ns()
@@ -284,9 +302,11 @@ class Pipeline:
                 self.gw.admission.notify(pool.name)
         detail = "; ".join(failures) if self.gw.config.server.expose_upstream_errors else ""
         n = len(failures)
-        if timed_out:
+        if fired:
+            limits = ", ".join(f"{t} ({getattr(pc.timeouts, t):g} s)" for t in dict.fromkeys(fired))
             raise UpstreamTimeout(
-                f"No replica answered within {pc.timeouts.total_s:g} s ({n} attempts). {detail}".strip()
+                f"No replica answered in time: {limits} ran out "
+                f"({n} attempt{'' if n == 1 else 's'}). {detail}".strip()
             )
         raise UpstreamError(f"All {n} attempted replicas failed. {detail}".strip())
 
@@ -353,16 +373,19 @@ class Pipeline:
         )
 
     async def finish(self, ctx: Ctx, exc: GatewayError | None) -> None:
-        """Metrics, the trace and the rate-limit correction for one request, whatever happened."""
-        if ctx.charged and self.gw.limiter is not None:
-            used = (
-                (ctx.input_tokens or ctx.prompt_tokens) + (ctx.output_tokens or 0)
-                if ctx.replica != "none"
-                else 0
-            )
+        """Metrics, the trace and the rate-limit correction for one request, whatever happened.
+
+        The correction settles each token bucket on the tokens used: it gives back at most what
+        was charged, and nothing when the usage is unknown (a 200 without a usable `usage`).
+        """
+        for f in ("input_tokens", "output_tokens", "cached_tokens"):
+            if (getattr(ctx, f) or 0) < 0:  # a replica's nonsense usage counts as none
+                setattr(ctx, f, None)
+        used = _tokens_used(ctx)
+        if ctx.charged and self.gw.limiter is not None and used is not None:
             for rule, charged in ctx.charged:
                 if used != charged:
-                    await self.gw.limiter.adjust(ctx.tenant, rule, used - charged)
+                    await self.gw.limiter.adjust(ctx.tenant, rule, max(used - charged, -charged))
         m = self.gw.metrics
         now = time.perf_counter_ns()
         if exc is not None:
@@ -460,6 +483,47 @@ def _why(decision: Decision) -> str:
     if not decision.filtered:
         return "the pool has no replicas"
     return "; ".join(sorted(set(decision.filtered.values())))
+
+
+_TIMEOUTS = ("connect_s", "first_byte_s", "idle_s", "total_s")
+_EARLY_S = 0.005  # timers fire a little early or late; `spent` also counts the send
+
+
+def _timeout_fired(
+    reason: str, timeouts: TimeoutsConfig, stream: bool, left_s: float, spent_s: float
+) -> str | None:
+    """Which of a pool's timeouts ended a failed attempt; None when it was no timeout.
+
+    A reason that names one wins. A connect that timed out is connect_s. Otherwise the attempt
+    had `left_s` of total_s: if it ran that long, total_s fired. Else a non-streamed request
+    waited its headers under total_s too, so its body stalled: idle_s. A stream waited under
+    first_byte_s, or under idle_s once the headers came (only when idle_s is the shorter, and
+    only before first_byte_s had passed).
+    """
+    if reason.startswith("connection") and "timed out" in reason:
+        return "connect_s"
+    if not reason.startswith("timeout"):
+        return None
+    named = [t for t in _TIMEOUTS if t in reason]
+    if named:
+        return named[0]
+    if spent_s >= left_s - _EARLY_S:
+        return "total_s"
+    if not stream:
+        return "idle_s"
+    if timeouts.idle_s < timeouts.first_byte_s and spent_s < timeouts.first_byte_s - _EARLY_S:
+        return "idle_s"
+    return "first_byte_s"
+
+
+def _tokens_used(ctx: Ctx) -> int | None:
+    """Tokens a request used as far as the limits go: 0 when no replica served it or the replica
+    refused it (no generation), None when a 200 came without a usable usage."""
+    if ctx.replica == "none" or ctx.status != 200:
+        return 0
+    if ctx.output_tokens is None:
+        return None
+    return (ctx.input_tokens or ctx.prompt_tokens) + ctx.output_tokens
 
 
 def _attempt_outcome(exc: Retryable) -> str:

@@ -1,6 +1,8 @@
 """Token-bucket rate limits per tenant: an in-process backend and a Redis one shared by many gateways.
 
-One `acquire` checks every rule of a key at once and takes from all buckets or from none.
+One `acquire` checks every rule of a key at once and takes from all buckets or from none. A cost
+deeper than its bucket can never fit: it is refused at once (no Retry-After), never clamped, so
+what a refund gives back is never more than what was taken.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from .errors import RateLimited
+from .errors import RateLimited, RequestExceedsLimit
 
 log = logging.getLogger("gateway.ratelimit")
 
@@ -61,14 +63,17 @@ class Verdict:
     states: tuple[RuleState, ...] = ()
     blocked: tuple[str, ...] = ()  # names of the rules whose bucket lacked the cost
     degraded: bool = False  # the backend was unreachable and the request was let through
+    oversized: tuple[tuple[str, float], ...] = ()  # (rule, cost) deeper than the bucket: never fits
 
 
 class RateLimiter(Protocol):
     """All-or-nothing across `rules`: when any bucket lacks its cost, nothing is taken.
 
-    A cost above a bucket's depth is charged as the full depth (such a request passes only when
-    that bucket is full, and empties it). `adjust` takes `delta` more from one bucket (a negative
-    delta gives back) once the real usage is known; it may leave the bucket in debt.
+    A cost above a bucket's depth can never fit: it is refused whatever the level, nothing is
+    taken, its rule is in both `blocked` and `oversized`, and it adds nothing to the wait. An
+    allowed verdict took exactly `costs`. `adjust` takes `delta` more from one bucket (a negative
+    delta gives back) once the real usage is known; it may leave the bucket in debt, and never
+    fills it past its depth.
     """
 
     async def acquire(self, key: str, rules: Sequence[Rule], costs: Sequence[float]) -> Verdict: ...
@@ -133,8 +138,9 @@ def format_reset(seconds: float) -> str:
 def headers(verdict: Verdict) -> list[tuple[bytes, bytes]]:
     """OpenAI's `x-ratelimit-*` trio for requests and for tokens (the tightest bucket of each).
 
-    Plus `retry-after` (whole seconds, at least 1) and `retry-after-ms` when refused. None when
-    the verdict is degraded (the backend was down, so the numbers are unknown).
+    Plus `retry-after` (whole seconds, at least 1) and `retry-after-ms` when refused, except when
+    a cost can never fit (waiting cannot help). None when the verdict is degraded (the backend
+    was down, so the numbers are unknown).
     """
     out: list[tuple[bytes, bytes]] = []
     if verdict.degraded:
@@ -149,22 +155,55 @@ def headers(verdict: Verdict) -> list[tuple[bytes, bytes]]:
             (f"x-ratelimit-remaining-{unit}".encode(), str(int(tight.remaining)).encode()),
             (f"x-ratelimit-reset-{unit}".encode(), format_reset(tight.reset_s).encode()),
         ]
-    if not verdict.allowed:
+    if not verdict.allowed and not verdict.oversized:
         out.append((b"retry-after", str(max(1, math.ceil(verdict.retry_after_s))).encode()))
         out.append((b"retry-after-ms", str(math.ceil(verdict.retry_after_s * 1000)).encode()))
     return out
 
 
-def rate_limited(verdict: Verdict, tenant: str) -> RateLimited:
-    """The error for a refused verdict, carrying the header set (Retry-After included)."""
-    what = ", ".join(verdict.blocked) or "rate"
+def rate_limited(
+    verdict: Verdict,
+    tenant: str,
+    *,
+    prompt_tokens: int | None = None,
+    max_tokens: int | None = None,
+) -> RateLimited:
+    """The error for a refused verdict, carrying the header set (Retry-After included).
+
+    A cost that can never fit gets `RequestExceedsLimit`, naming the limit and the numbers (the
+    prompt estimate and max_tokens, when given), with no Retry-After.
+    """
     extra = {k.decode(): v.decode() for k, v in headers(verdict) if k != b"retry-after"}
+    if verdict.oversized:
+        asked = "; ".join(
+            f"the {name} limit holds at most {_num(_depth(verdict, name))} tokens, "
+            f"the request may use {_num(cost)}"
+            for name, cost in verdict.oversized
+        )
+        parts = ""
+        if prompt_tokens is not None:
+            parts = f" (prompt ~{prompt_tokens} + max_tokens {max_tokens or 0})"
+        return RequestExceedsLimit(
+            f"Request too large for tenant '{tenant}': {asked}{parts}. It can never fit, so "
+            "retrying will not help: lower max_tokens or shorten the prompt",
+            param="max_tokens" if max_tokens else None,
+            headers=extra,
+        )
+    what = ", ".join(verdict.blocked) or "rate"
     return RateLimited(
         f"Rate limit reached for tenant '{tenant}' ({what}); "
         f"retry in {verdict.retry_after_s:.2f} s",
         retry_after=verdict.retry_after_s,
         headers=extra,
     )
+
+
+def _depth(verdict: Verdict, name: str) -> float:
+    return next((s.limit for s in verdict.states if s.rule.name == name), 0.0)
+
+
+def _num(x: float) -> str:
+    return f"{x:.0f}" if x == int(x) else f"{x:g}"
 
 
 # --- memory ----------------------------------------------------------------------------------
@@ -194,11 +233,15 @@ class MemoryRateLimiter:
         now = self._clock()
         self._maybe_sweep(now)
         levels = [self._level(key, r, now) for r in rules]
-        needs = [min(max(0.0, c), r.burst) for r, c in zip(rules, costs, strict=True)]
+        needs = [max(0.0, c) for c in costs]
         wait = 0.0
         blocked: list[str] = []
+        oversized: list[tuple[str, float]] = []
         for r, level, need in zip(rules, levels, needs, strict=True):
-            if level + _EPS < need:
+            if need > r.burst + _EPS:  # never fits: refused, and no wait would help
+                blocked.append(r.name)
+                oversized.append((r.name, need))
+            elif level + _EPS < need:
                 wait = max(wait, (need - level) / r.rate_per_s)
                 blocked.append(r.name)
         allowed = not blocked
@@ -207,7 +250,7 @@ class MemoryRateLimiter:
                 levels[i] -= need
                 self._buckets[(key, r.name)] = [levels[i], now, r.rate_per_s, r.burst]
         states = tuple(_state(r, lv) for r, lv in zip(rules, levels, strict=True))
-        return Verdict(allowed, wait, states, tuple(blocked))
+        return Verdict(allowed, wait, states, tuple(blocked), oversized=tuple(oversized))
 
     async def adjust(self, key: str, rule: Rule, delta: float) -> None:
         now = self._clock()
@@ -233,8 +276,9 @@ class MemoryRateLimiter:
 # --- redis -----------------------------------------------------------------------------------
 
 # KEYS: one hash per rule {v: level, t: seconds}; ARGV: rate, burst, cost per key. Redis TIME is
-# the clock, so every gateway process agrees. Returns {allowed, wait, short flags ("0"/"1" per
-# rule), level after, ...} as strings (Lua numbers would be truncated to integers on the way out).
+# the clock, so every gateway process agrees. Returns {allowed, wait, flags per rule ("0" fits,
+# "1" short now, "2" deeper than the bucket: never fits), level after, ...} as strings (Lua
+# numbers would be truncated to integers on the way out). A cost is taken whole or not at all.
 _ACQUIRE = """
 local function s(x) return string.format('%.17g', x) end
 local t = redis.call('TIME')
@@ -253,16 +297,17 @@ for i = 1, n do
   else
     v = math.min(burst, v + math.max(0, now - tonumber(b[2])) * rate)
   end
-  local need = math.min(cost, burst)
-  if v + 1e-9 < need then
-    wait = math.max(wait, (need - v) / rate)
+  if cost > burst + 1e-9 then
+    short = short .. '2'
+  elseif v + 1e-9 < cost then
+    wait = math.max(wait, (cost - v) / rate)
     short = short .. '1'
   else
     short = short .. '0'
   end
-  levels[i], needs[i] = v, need
+  levels[i], needs[i] = v, cost
 end
-local allowed = not string.find(short, '1', 1, true)
+local allowed = not string.find(short, '[12]')
 local out = {allowed and '1' or '0', s(wait), short}
 for i = 1, n do
   if allowed then
@@ -357,8 +402,14 @@ class RedisRateLimiter:
             return Verdict(True, 0.0, states, degraded=True)
         levels = [float(x) for x in reply[3:]]
         states = tuple(_state(r, lv) for r, lv in zip(rules, levels, strict=True))
-        blocked = tuple(r.name for r, flag in zip(rules, reply[2], strict=True) if flag == ord("1"))
-        return Verdict(reply[0] == b"1", float(reply[1]), states, blocked)
+        flags = reply[2].decode()
+        blocked = tuple(r.name for r, flag in zip(rules, flags, strict=True) if flag != "0")
+        oversized = tuple(
+            (r.name, max(0.0, float(c)))
+            for r, c, flag in zip(rules, costs, flags, strict=True)
+            if flag == "2"
+        )
+        return Verdict(reply[0] == b"1", float(reply[1]), states, blocked, oversized=oversized)
 
     async def adjust(self, key: str, rule: Rule, delta: float) -> None:
         await self._call(

@@ -1,7 +1,9 @@
 """Hot reload: on SIGHUP or when the config file changes, validate it and swap it in.
 
-An invalid file keeps the running config and logs why; `version()` says what is active
-(`/admin/config`).
+A reload applies completely or not at all: an invalid file, or a valid one that fails while its
+parts are built (a tokenizer file that is not one), keeps the running config, and `version()`
+(`/admin/config`) says what is active and why the last reload did not apply. The file watcher
+outlives every failure.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, load_config
+from .config import ConfigError, load_config, mask_url_passwords
 from .runtime import Gateway
 
 log = logging.getLogger("gateway.reload")
@@ -31,6 +33,7 @@ class ConfigReloader:
         self.loaded_at = time.time()
         self.reloads = 0
         self.last_error: str | None = None
+        self.last_error_code: str | None = None  # invalid_config | config_not_applied
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._sighup = False
@@ -64,29 +67,45 @@ class ConfigReloader:
             await asyncio.sleep(self.interval_s)
             digest = self._digest()
             if digest is not None and digest != self._seen:
-                await self.reload("file changed")
+                try:
+                    await self.reload("file changed")
+                except Exception:  # never the end of watching: the next edit gets its chance
+                    log.exception("reload (file changed): unexpected error")
 
     async def reload(self, why: str) -> bool:
-        """Load, validate and apply the file; True when the new config is active."""
+        """Load, validate and apply the file; True when the new config is active, False when
+        nothing changed (`last_error` says why)."""
         async with self._lock:
             digest = self._digest()
             self._seen = digest  # a bad file is not retried until it changes again
             try:
                 config = load_config(self.path)
             except ConfigError as exc:
-                self.last_error = "; ".join(exc.problems)
-                log.error(
-                    "reload (%s): %s is invalid, keeping the running config: %s",
+                return self._failed(why, "invalid_config", "; ".join(exc.problems))
+            except ValueError as exc:  # not UTF-8, and the like
+                return self._failed(why, "invalid_config", f"{self.path}: {exc}")
+            try:
+                await self.gateway.reconfigure(config)
+            except Exception as exc:  # reconfigure swaps nothing unless every part was built
+                return self._failed(
                     why,
-                    self.path,
-                    self.last_error,
+                    "config_not_applied",
+                    f"{self.path} is valid but was not applied ({type(exc).__name__}: {exc}); "
+                    "the running config is unchanged",
+                    traceback=True,
                 )
-                return False
-            await self.gateway.reconfigure(config)
-            self.digest, self.loaded_at, self.last_error = digest, time.time(), None
+            self.digest, self.loaded_at = digest, time.time()
+            self.last_error = self.last_error_code = None
             self.reloads += 1
             log.info("reload (%s): %s applied (sha256 %s)", why, self.path, (digest or "")[:12])
             return True
+
+    def _failed(self, why: str, code: str, error: str, traceback: bool = False) -> bool:
+        self.last_error, self.last_error_code = mask_url_passwords(error), code
+        log.error(
+            "reload (%s): keeping the running config: %s", why, self.last_error, exc_info=traceback
+        )
+        return False
 
     def version(self) -> dict[str, Any]:
         return {

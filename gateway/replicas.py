@@ -118,7 +118,12 @@ class ReplicaState:
         return True
 
     def available(self, now: float) -> bool:
+        """May take requests: not draining, circuit not open (a half-open one takes trials)."""
         return not self.draining and self.circuit.current(now) != OPEN
+
+    def proven(self, now: float) -> bool:
+        """Known good: not draining and circuit closed (what /ready and replica_up report)."""
+        return not self.draining and self.circuit.current(now) == CLOSED
 
     def view(self, hit_blocks: int, now: float) -> ReplicaView:
         load = (

@@ -73,6 +73,16 @@ def _needs_limiter(config: Config) -> bool:
     return any(t.limits.rules() or t.limits.per_model for t in config.tenants)
 
 
+_Update = tuple[ReplicaState, PoolConfig, ReplicaConfig]  # a kept replica's settings, deferred
+
+
+async def _close_quietly(part: PrefixIndex | RateLimiter, what: str) -> None:
+    try:
+        await part.aclose()
+    except Exception:
+        log.warning("reload: closing %s failed", what, exc_info=True)
+
+
 class Gateway:
     def __init__(self, config: Config, *, tracing: Tracing | None = None) -> None:
         self.config = config
@@ -104,15 +114,20 @@ class Gateway:
         self._parity_task: asyncio.Task[None] | None = None
 
     # --- building ------------------------------------------------------------------------------
-    def _build_pools(self, config: Config, old: dict[str, Pool]) -> dict[str, Pool]:
+    def _build_pools(
+        self, config: Config, old: dict[str, Pool], updates: list[_Update] | None = None
+    ) -> dict[str, Pool]:
+        """Pools for `config`, reusing replica states of `old`; with `updates`, the new settings
+        of reused states are collected there instead of applied (see `_replicas`)."""
         pools: dict[str, Pool] = {}
         for i, (name, pc) in enumerate(config.pools.items()):
             prev = old.get(name)
             if pc.discovery is not None:  # keep what discovery found until it answers again
                 same = prev is not None and prev.config.discovery == pc.discovery
-                replicas = self._replicas(name, pc, self._configs_of(prev) if same else (), prev)
+                configs = self._configs_of(prev) if same else ()
+                replicas = self._replicas(name, pc, configs, prev, updates)
             else:
-                replicas = self._replicas(name, pc, pc.replicas, prev)
+                replicas = self._replicas(name, pc, pc.replicas, prev, updates)
             policy = (
                 prev.policy
                 if prev is not None and prev.config.policy == pc.policy
@@ -122,14 +137,26 @@ class Gateway:
         return pools
 
     def _replicas(
-        self, pool: str, pc: PoolConfig, configs: Iterable[ReplicaConfig], prev: Pool | None
+        self,
+        pool: str,
+        pc: PoolConfig,
+        configs: Iterable[ReplicaConfig],
+        prev: Pool | None,
+        updates: list[_Update] | None = None,
     ) -> list[ReplicaState]:
-        """Replica states for `configs`, reusing (and updating) those that already exist."""
+        """Replica states for `configs`, reusing (and updating) those that already exist.
+
+        With `updates`, a reused state is not touched: its update is appended there, to be applied
+        at the swap, so that building pools for a config that then fails changes nothing.
+        """
         out = []
         for rc in configs:
             old = prev.by_name.get(rc.display_name) if prev is not None else None
             if old is not None and old.url == rc.url:
-                old.update(pc, rc)
+                if updates is None:
+                    old.update(pc, rc)
+                else:
+                    updates.append((old, pc, rc))
                 out.append(old)
                 continue
             r = ReplicaState.from_config(pool, pc, rc)
@@ -269,6 +296,7 @@ class Gateway:
             capacity_blocks=ic.capacity_blocks,
             ttl_s=ic.ttl_s,
             routed_ttl_s=ic.events.routed_ttl_s,
+            max_blocks=ic.max_blocks,
         )
 
     async def stop(self) -> None:
@@ -353,48 +381,63 @@ class Gateway:
     async def reconfigure(self, config: Config) -> None:
         """Swap in a new, already validated config without dropping in-flight requests.
 
-        Kept: replicas that stay (circuit, load, counters), policies whose spec is unchanged (their
-        learned state), the index and the rate limiter when their settings are unchanged.
+        All or nothing: every new part (pools, tenants, chunker, index, limiter, admission) is
+        built first, and only then swapped in; if building any raises, the exception propagates
+        and nothing has changed (parts built so far are closed). Kept: replicas that stay
+        (circuit, load, counters), policies whose spec is unchanged (their learned state), the
+        index and the rate limiter when their settings are unchanged.
         """
         old = self.config
-        pools = self._build_pools(config, self.pools)
+        updates: list[_Update] = []
+        pools = self._build_pools(config, self.pools, updates)
         tenants = TenantDirectory(config.auth, config.tenants, config.priority_classes)
-        index = self.index if config.index == old.index else self._open_index(config)
-        limiter = self.limiter
-        if not _needs_limiter(config):
-            limiter = None
-        elif limiter is None or config.ratelimit != old.ratelimit:
-            limiter = open_rate_limiter(config.ratelimit.backend, config.ratelimit.redis_url)
+        chunker = self.chunker if config.index.chunking == old.index.chunking else _chunker(config)
         admission = self.admission
         if config.priority_classes != old.priority_classes or config.admission != old.admission:
             admission = Admission(config.priority_classes, shed_status=config.admission.shed_status)
-        if config.index.chunking != old.index.chunking:
-            ch = config.index.chunking
-            self.chunker = make_chunker(
-                ch.mode,
-                block_bytes=ch.block_bytes,
-                tokenizer=ch.tokenizer,
-                block_size=ch.block_size,
-                chat_template=ch.chat_template,
-            )
+        index, limiter = await self._open_stores(config)
         kept = {id(r) for p in pools.values() for r in p.replicas}
         gone = [r for r in self.all_replicas() if id(r) not in kept]
         # the swap: no await between these lines, so every request sees one config or the other
         old_index, old_limiter, old_admission = self.index, self.limiter, self.admission
-        self.config, self.pools, self.tenants = config, pools, tenants
+        for state, pc, rc in updates:
+            state.update(pc, rc)
+        self.config, self.pools, self.tenants, self.chunker = config, pools, tenants, chunker
         self.index, self.limiter, self.admission = index, limiter, admission
         self._retire(gone, max((p.config.timeouts.total_s for p in pools.values()), default=60.0))
         self._sync_monitors()
         self._sync_discovery()
+        # what is left only retires the old parts: the new config is active whatever happens here
         if old_admission is not admission:
             shed = shed_all(old_admission)
             if shed:
                 log.warning("reload: priority classes changed; %d queued requests were shed", shed)
         if old_index is not index and old_index is not None:
             log.warning("reload: index settings changed; the prefix index starts empty")
-            await old_index.aclose()
+            await _close_quietly(old_index, "the old prefix index")
         if old_limiter is not limiter and old_limiter is not None:
-            await old_limiter.aclose()
+            await _close_quietly(old_limiter, "the old rate limiter")
+
+    async def _open_stores(self, config: Config) -> tuple[PrefixIndex | None, RateLimiter | None]:
+        """The index and rate limiter for `config`: the running ones when their settings are
+        unchanged, else new ones; if one fails to open, the other new one is closed again."""
+        old = self.config
+        index, limiter = self.index, self.limiter
+        opened: list[PrefixIndex | RateLimiter] = []
+        try:
+            if config.index != old.index:
+                index = self._open_index(config)
+                opened.append(index)
+            if not _needs_limiter(config):
+                limiter = None
+            elif limiter is None or config.ratelimit != old.ratelimit:
+                limiter = open_rate_limiter(config.ratelimit.backend, config.ratelimit.redis_url)
+                opened.append(limiter)
+        except BaseException:
+            for part in opened:
+                await _close_quietly(part, "a part of the config that was not applied")
+            raise
+        return index, limiter
 
     def set_endpoints(self, pool_name: str, endpoints: Iterable[tuple[str, str]]) -> None:
         """Discovery's answer for a pool: (name, url) of every ready replica, the whole set."""

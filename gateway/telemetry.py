@@ -240,6 +240,16 @@ class _IndexCollector(Collector):
                 "Memory the prefix index takes (estimate).",
                 value=st.bytes_estimate,
             )
+            yield GaugeMetricFamily(
+                "gateway_index_scopes",
+                "Scopes (model, adapter, cache salt) the prefix index holds blocks for.",
+                value=st.scopes,
+            )
+            yield CounterMetricFamily(
+                "gateway_index_bound_evicted_blocks",
+                "Index entries pushed out by index.max_blocks (least recently recorded scopes first).",
+                value=st.bound_evicted,
+            )
         par = GaugeMetricFamily(
             "gateway_token_parity",
             "1 when the replica tokenizes a probe exactly as the gateway (tokens mode), 0 when not, -1 unknown.",
@@ -315,7 +325,8 @@ class _ReplicaCollector(Collector):
         labels = ["pool", "replica"]
         up = GaugeMetricFamily(
             "gateway_replica_up",
-            "1 when the replica takes traffic (circuit not open).",
+            "1 when the replica is proven healthy (circuit closed, not draining); 0 while its "
+            "circuit is open or on trial (half-open), so a dead replica reads 0 throughout.",
             labels=labels,
         )
         circuit = GaugeMetricFamily(
@@ -351,7 +362,7 @@ class _ReplicaCollector(Collector):
         for r in self._replicas():
             lv = [r.pool, r.name]
             state = r.circuit.current(now)
-            up.add_metric(lv, 0.0 if state == OPEN or r.draining else 1.0)
+            up.add_metric(lv, 1.0 if r.proven(now) else 0.0)
             for s in (CLOSED, OPEN, HALF_OPEN):
                 circuit.add_metric([*lv, s], 1.0 if state == s else 0.0)
             inflight.add_metric(lv, r.inflight)

@@ -1,6 +1,7 @@
 """A lean HTTP/1.1 keep-alive client for the gateway's hot path: asyncio protocols and httptools.
 
-One request per connection at a time, idle ones pooled per origin; probes and scrapes keep aiohttp.
+One request per connection at a time, idle ones pooled per origin and closed once idle past their
+TTL; probes and scrapes keep aiohttp.
 """
 
 from __future__ import annotations
@@ -517,6 +518,7 @@ class UpstreamPool:
         self._closed = False
         self._all_lost: asyncio.Future[None] | None = None
         self._timers: _Timers | None = None
+        self._sweep: asyncio.TimerHandle | None = None  # closes idle connections past the TTL
 
     async def request(
         self,
@@ -580,6 +582,9 @@ class UpstreamPool:
     async def aclose(self) -> None:
         """Close every connection, idle or busy (busy responses fail), and wait until they are."""
         self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for o in self._by_key.values():
             o.idle.clear()
         if not self._conns:
@@ -667,6 +672,29 @@ class UpstreamPool:
         conn.idle = True
         conn.idle_since = now
         idle.append(conn)
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_at(now + self._ttl, self._expire)
+
+    def _expire(self) -> None:
+        """Close the connections idle for longer than the TTL, without waiting for a request to
+        notice (the replica would keep their sockets); runs while any connection is idle."""
+        self._sweep = None
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time() + 1e-3  # loop timers may fire up to a millisecond early
+        next_at: float | None = None
+        for o in self._by_key.values():
+            idle = o.idle
+            while idle and now - idle[0].idle_since >= self._ttl:  # oldest first
+                old = idle.popleft()
+                old.idle = False
+                old.close()
+            if idle:
+                at = idle[0].idle_since + self._ttl
+                next_at = at if next_at is None else min(next_at, at)
+        if next_at is not None:
+            self._sweep = loop.call_at(next_at, self._expire)
 
     def _lost(self, conn: _Connection) -> None:
         self._conns.discard(conn)

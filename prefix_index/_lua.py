@@ -1,7 +1,9 @@
-"""Lua scripts of the Redis backend: match (binary search, one call), record, evict, forget.
+"""Lua scripts of the Redis backend: match (binary search, one call), record, evict, forget,
+drop; and the namespace's scope bookkeeping: account, oldest.
 
-Each script touches the keys of one scope only (one hash tag, one Cluster slot); key names are
-built from ARGV[1], the scope's key prefix, which shares the hash tag of KEYS[1].
+Each scope script touches the keys of one scope only (one hash tag, one Cluster slot); key
+names are built from ARGV[1], the scope's key prefix, which shares the hash tag of KEYS[1].
+The bookkeeping scripts touch only the namespace's two bookkeeping keys (their own hash tag).
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ end
 return table.concat(out, ',')
 """
 
-# ARGV: prefix, now_ms, ttl_ms (0: none), capacity, replica, blob, expiry_ms -> blocks recorded.
+# ARGV: prefix, now_ms, ttl_ms (0: none), capacity, replica, blob, expiry_ms -> how many entries
+# the replica's LRU gained (new blocks less what the capacity pushed out; may be negative).
 # Block i gets recency seq-i: the root is the most recent, so ZPOPMIN takes leaves first.
 RECORD = r"""
 local pre, rep, blob, expiry = ARGV[1], ARGV[5], ARGV[6], ARGV[7]
@@ -145,6 +148,7 @@ local n = math.floor(#blob / 8)
 if n == 0 then return 0 end
 local seq = redis.call('INCRBY', pre .. 'seq', n)
 local lru = pre .. 'l:' .. rep
+local before = redis.call('ZCARD', lru)
 local z = {}
 for i = 0, n - 1 do
   local h = string.sub(blob, i * 8 + 1, i * 8 + 8)
@@ -171,15 +175,16 @@ if redis.call('SISMEMBER', pre .. 'holey', rep) == 1 then
   redis.call('ZREMRANGEBYSCORE', hk, '(0', now)
   if redis.call('EXISTS', hk) == 0 then redis.call('SREM', pre .. 'holey', rep) end
 end
-local over = redis.call('ZCARD', lru) - cap
-if over > 0 then
-  local popped = redis.call('ZPOPMIN', lru, over)
+local card = redis.call('ZCARD', lru)
+if card > cap then
+  local popped = redis.call('ZPOPMIN', lru, card - cap)
   for i = 1, #popped, 2 do redis.call('HDEL', pre .. 'b' .. popped[i], rep) end
+  card = cap
 end
-return n
+return card - before
 """
 
-# ARGV: prefix, now_ms, ttl_ms, replica, blob -> blocks evicted.
+# ARGV: prefix, now_ms, ttl_ms, replica, blob -> entries the replica's LRU lost.
 # A live evicted block may have blocks below it that the replica still holds; it is kept as a
 # hole until it would have expired anyway (or is recorded again) so match stops there.
 EVICT = r"""
@@ -196,8 +201,7 @@ for i = 0, n - 1 do
   local v = redis.call('HGET', key, rep)
   if v then
     redis.call('HDEL', key, rep)
-    redis.call('ZREM', lru, h)
-    count = count + 1
+    count = count + redis.call('ZREM', lru, h)
     local e = tonumber(v)
     if e == 0 or e > now then
       holes[#holes + 1] = v
@@ -207,7 +211,10 @@ for i = 0, n - 1 do
   end
 end
 if #holes > 0 then redis.call('ZADD', hk, unpack(holes)) end
-if redis.call('EXISTS', hk) == 1 then
+if redis.call('EXISTS', lru) == 0 then  -- it holds nothing here: no hole can matter
+  redis.call('DEL', hk)
+  redis.call('SREM', pre .. 'holey', rep)
+elseif redis.call('EXISTS', hk) == 1 then
   redis.call('ZREMRANGEBYSCORE', hk, '(0', now)
   if redis.call('EXISTS', hk) == 1 then
     redis.call('SADD', pre .. 'holey', rep)
@@ -222,15 +229,103 @@ end
 return count
 """
 
-# ARGV: prefix, replica, limit -> 1 while the replica still holds blocks in this scope, else 0.
-# Pops the oldest (leaves) first, so a match running between two calls sees a shorter prefix.
+# ARGV: prefix, replica, limit -> {more, popped}: more is 1 while the replica still holds
+# blocks in this scope, else 0. Pops the oldest (leaves) first, so a match running between two
+# calls sees a shorter prefix.
 FORGET = r"""
 local pre, rep, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local lru = pre .. 'l:' .. rep
 local popped = redis.call('ZPOPMIN', lru, limit)
 for i = 1, #popped, 2 do redis.call('HDEL', pre .. 'b' .. popped[i], rep) end
-if redis.call('EXISTS', lru) == 1 then return 1 end
+if redis.call('EXISTS', lru) == 1 then return {1, #popped / 2} end
 redis.call('DEL', pre .. 'h:' .. rep)
 redis.call('SREM', pre .. 'holey', rep)
-return 0
+return {0, #popped / 2}
+"""
+
+# ARGV: prefix, limit, replica... -> {popped, left}: pops up to `limit` entries of the scope,
+# each replica's oldest in proportion to what it holds (the memory backend's rule), and when
+# none is left deletes the scope's remaining keys. The global bound and the sweep of idle
+# scopes call it; `replica...` are the namespace's replicas (a scope's LRUs are among them).
+DROP = r"""
+local pre, limit = ARGV[1], tonumber(ARGV[2])
+local lrus, total = {}, 0
+for i = 3, #ARGV do
+  local lru = pre .. 'l:' .. ARGV[i]
+  local card = redis.call('ZCARD', lru)
+  if card > 0 then
+    lrus[#lrus + 1] = {ARGV[i], lru, card}
+    total = total + card
+  end
+end
+local want = math.min(limit, total)
+local popped = 0
+for _, t in ipairs(lrus) do
+  local take = math.min(t[3], math.ceil(want * t[3] / total), want - popped)
+  if take > 0 then
+    local got = redis.call('ZPOPMIN', t[2], take)
+    for j = 1, #got, 2 do redis.call('HDEL', pre .. 'b' .. got[j], t[1]) end
+    popped = popped + #got / 2
+  end
+end
+local left = total - popped
+if left == 0 then
+  redis.call('DEL', pre .. 'seq', pre .. 'holey')
+  for i = 3, #ARGV do redis.call('DEL', pre .. 'h:' .. ARGV[i]) end
+end
+return {popped, left}
+"""
+
+# KEYS: scopes (ZSET sid -> last record ms), sizes (HASH sid -> entries, '#' -> load,
+# '#evicted'). ARGV: ttl_ms (0: none), scope_cost, evicted, then (sid, delta, at) triples:
+# at > 0: the scope was recorded at `at` ms (it joins the LRU or moves up, never down); 0: only
+# its size changed; -1: its keys are gone. -> {load, sid...}: the load (entries plus scope_cost
+# per scope) and the scopes a change left empty (for the caller to drop). A delta for a scope
+# no longer listed (trimmed or swept meanwhile) starts it again only if it was a record; a
+# size never goes below 0.
+ACCOUNT = r"""
+local scopes, sizes = KEYS[1], KEYS[2]
+local ttl, cost = tonumber(ARGV[1]), tonumber(ARGV[2])
+local load = tonumber(redis.call('HGET', sizes, '#') or '0')
+local out = {0}
+for i = 4, #ARGV, 3 do
+  local sid, delta, at = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local old = redis.call('HGET', sizes, sid)
+  if at < 0 then
+    if old then
+      load = load - tonumber(old) - cost
+      redis.call('HDEL', sizes, sid)
+      redis.call('ZREM', scopes, sid)
+    end
+  elseif old or at > 0 then
+    local was = tonumber(old or '0')
+    local size = math.max(0, was + delta)
+    load = load + size - was
+    if not old then load = load + cost end
+    redis.call('HSET', sizes, sid, size)
+    if at > 0 then redis.call('ZADD', scopes, 'GT', at, sid) end
+    if size == 0 then out[#out + 1] = sid end
+  end
+end
+load = math.max(0, load)
+out[1] = load
+redis.call('HSET', sizes, '#', load)
+if tonumber(ARGV[3]) > 0 then redis.call('HINCRBY', sizes, '#evicted', ARGV[3]) end
+if ttl > 0 then
+  redis.call('PEXPIRE', scopes, ttl)
+  redis.call('PEXPIRE', sizes, ttl)
+end
+return out
+"""
+
+# KEYS: scopes, sizes. ARGV: count -> {sid, entries, sid, entries...}: the least recently
+# recorded scopes, oldest first.
+OLDEST = r"""#!lua flags=no-writes
+local sids = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+local out = {}
+for i = 1, #sids do
+  out[#out + 1] = sids[i]
+  out[#out + 1] = tonumber(redis.call('HGET', KEYS[2], sids[i]) or '0')
+end
+return out
 """

@@ -61,7 +61,9 @@ class IndexStats:
     (memory backend) or the Redis memory its entries take (redis backend, from the measured
     bytes per entry). `healthy` is False while the backend is unreachable. The `engine_*`
     fields count engine-reported entries (precise mode, memory backend): per replica, in all,
-    and how many the safety cap pushed out.
+    and how many the safety cap pushed out. `scopes` counts the scopes held; `bound_evicted`
+    counts entries the global bound (`max_blocks`) pushed out, since start (memory) or over
+    every gateway of the namespace (redis).
     """
 
     backend: str
@@ -75,3 +77,5 @@ class IndexStats:
     engine_blocks_per_replica: dict[str, int] = field(default_factory=dict)
     engine_entries: int = 0
     engine_trimmed: int = 0
+    scopes: int = 0
+    bound_evicted: int = 0

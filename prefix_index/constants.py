@@ -10,6 +10,14 @@ from dataclasses import dataclass
 import xxhash
 
 DEFAULT_CAPACITY_BLOCKS = 200_000  # per replica (and scope), unless set_capacity says otherwise
+# The bound on the whole index: entries (a block one replica holds in one scope) over every
+# scope and replica, each scope also counting SCOPE_COST_BLOCKS for its own bookkeeping. Past
+# it the least recently recorded scopes lose entries first. Measured (tracemalloc, CPython
+# 3.11; MEMORY USAGE and INFO memory, Redis 7.0): the memory backend takes ~160 B per entry
+# (~105 B per further replica of a block) and ~1.2 KB per scope, so the default holds it near
+# 300 MB; Redis ~240-310 B per entry (~170 B with four replicas a block), ~450 B per scope.
+DEFAULT_MAX_BLOCKS = 2_000_000
+SCOPE_COST_BLOCKS = 8
 DEFAULT_BLOCK_BYTES = 64  # bytes mode: about 16 tokens of English
 DEFAULT_BLOCK_SIZE = 16  # tokens mode: vLLM's default block size
 DEFAULT_REDIS_TTL_S = 600.0
@@ -27,7 +35,12 @@ DEFAULT_ENGINE_CAPACITY_BLOCKS = 1_000_000  # precise mode: engine-reported bloc
 #   <ns>:{<sid>}:holey            SET    replicas whose `h:` set is not empty
 #   <ns>:{<sid>}:seq              STRING recency counter of the scope
 #   <ns>:rs:<replica>             SET    sids the replica holds blocks in (for forget)
-#   <ns>:replicas                 SET    replica names (for stats)
+#   <ns>:replicas                 SET    replica names (for stats, forget and trimming)
+#   <ns>:{<ns>}:scopes            ZSET   sid -> last record (ms, client clock): the scope LRU
+#   <ns>:{<ns>}:sizes             HASH   sid -> entries; "#" -> load (entries + scope costs),
+#                                        "#evicted" -> entries the bound pushed out
+# With a TTL every key expires (PEXPIRE, refreshed by each write): an abandoned scope, replica
+# or namespace disappears by itself.
 KEY_BLOCK = "b"
 KEY_LRU = "l:"
 KEY_HOLES = "h:"
@@ -35,6 +48,10 @@ KEY_HOLEY = "holey"
 KEY_SEQ = "seq"
 KEY_REPLICA_SCOPES = "rs:"
 KEY_REPLICAS = "replicas"
+KEY_SCOPES = "scopes"
+KEY_SIZES = "sizes"
+SIZES_LOAD = "#"
+SIZES_EVICTED = "#evicted"
 
 
 def scope_id(scope: str) -> str:
@@ -72,3 +89,16 @@ def replica_scopes_key(namespace: str, replica: str) -> str:
 
 def replicas_key(namespace: str) -> str:
     return f"{namespace}:{KEY_REPLICAS}"
+
+
+def scopes_key(namespace: str) -> str:
+    return f"{namespace}:{{{namespace}}}:{KEY_SCOPES}"
+
+
+def sizes_key(namespace: str) -> str:
+    return f"{namespace}:{{{namespace}}}:{KEY_SIZES}"
+
+
+def sid_of_prefix(prefix: bytes) -> str:
+    """The sid inside a scope's key prefix (b"<ns>:{<sid>}:")."""
+    return prefix[prefix.index(b"{") + 1 : prefix.index(b"}")].decode()

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from prefix_index.base import PrefixIndex
 from prefix_index.constants import (
     DEFAULT_CAPACITY_BLOCKS,
+    DEFAULT_MAX_BLOCKS,
     DEFAULT_REDIS_TTL_S,
     DEFAULT_ROUTED_TTL_S,
 )
@@ -18,13 +19,21 @@ from prefix_index.redis import RedisIndex
 
 
 def _memory(
-    redis_url: str | None, capacity_blocks: int, ttl_s: float | None, routed_ttl_s: float
+    redis_url: str | None,
+    capacity_blocks: int,
+    ttl_s: float | None,
+    routed_ttl_s: float,
+    max_blocks: int,
 ) -> PrefixIndex:
-    return MemoryIndex(capacity_blocks, ttl_s, routed_ttl_s=routed_ttl_s)
+    return MemoryIndex(capacity_blocks, ttl_s, routed_ttl_s=routed_ttl_s, max_blocks=max_blocks)
 
 
 def _redis(
-    redis_url: str | None, capacity_blocks: int, ttl_s: float | None, routed_ttl_s: float
+    redis_url: str | None,
+    capacity_blocks: int,
+    ttl_s: float | None,
+    routed_ttl_s: float,
+    max_blocks: int,
 ) -> PrefixIndex:
     if not redis_url:
         raise ValueError("index.redis_url is required when index.backend is redis")
@@ -32,10 +41,11 @@ def _redis(
         redis_url,
         capacity_blocks=capacity_blocks,
         ttl_s=DEFAULT_REDIS_TTL_S if ttl_s is None else ttl_s,
+        max_blocks=max_blocks,
     )
 
 
-BACKENDS: dict[str, Callable[[str | None, int, float | None, float], PrefixIndex]] = {
+BACKENDS: dict[str, Callable[[str | None, int, float | None, float, int], PrefixIndex]] = {
     "memory": _memory,
     "redis": _redis,
 }
@@ -48,14 +58,16 @@ def open_index(
     capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
     ttl_s: float | None = None,
     routed_ttl_s: float = DEFAULT_ROUTED_TTL_S,
+    max_blocks: int = DEFAULT_MAX_BLOCKS,
 ) -> PrefixIndex:
     """The index for `index.backend` (memory | redis). For redis, `ttl_s=None` means the
     default 600 s: shared entries must age out when a gateway or replica vanishes.
     `routed_ttl_s` is the life of a routed entry on a replica in precise mode (KV events);
-    only the memory backend has that mode (it alone is an EngineEventSink)."""
+    only the memory backend has that mode (it alone is an EngineEventSink). `max_blocks`
+    bounds the whole index, over every scope and replica (see MemoryIndex)."""
     make = BACKENDS.get(backend)
     if make is None:
         raise ValueError(
             f"index.backend must be one of {', '.join(sorted(BACKENDS))}, got {backend!r}"
         )
-    return make(redis_url, capacity_blocks, ttl_s, routed_ttl_s)
+    return make(redis_url, capacity_blocks, ttl_s, routed_ttl_s, max_blocks)

@@ -1,7 +1,8 @@
 """The embedded prefix index: block hash -> bit set of replicas, with per-replica LRU and TTL.
 
-Also the engine-reported blocks of precise mode, kept apart. No I/O; the async methods never
-await, they only meet the PrefixIndex and EngineEventSink contracts.
+Also the engine-reported blocks of precise mode, kept apart, and one bound over all scopes (a
+scope is chosen by the client: a salt never used again must not stay forever). No I/O; the
+async methods never await, they only meet the PrefixIndex and EngineEventSink contracts.
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ from prefix_index.base import IndexStats
 from prefix_index.constants import (
     DEFAULT_CAPACITY_BLOCKS,
     DEFAULT_ENGINE_CAPACITY_BLOCKS,
+    DEFAULT_MAX_BLOCKS,
     DEFAULT_ROUTED_TTL_S,
+    SCOPE_COST_BLOCKS,
 )
 
 _NEVER = 0  # expiry value of an entry without TTL
 _INT_BYTES = 36  # a 64-bit hash as a Python int
+_SWEEP_SCOPES = 8  # idle scopes a write may free: more than the one scope a write can add
 
 
 class _Scope:
     """One scope's blocks: who holds each block, and each replica's blocks in LRU order."""
 
-    __slots__ = ("table", "lru", "holes", "next_expiry", "etable", "eheld")
+    __slots__ = ("table", "lru", "holes", "next_expiry", "etable", "eheld", "size", "used")
 
     def __init__(self) -> None:
         self.table: dict[int, int] = {}  # block hash -> bit set of replica slots
@@ -45,9 +49,8 @@ class _Scope:
         # Not prefix-closed (an engine may evict a block below ones it keeps), so match scans.
         self.etable: dict[int, int] = {}
         self.eheld: dict[str, OrderedDict[int, None]] = {}
-
-    def empty(self) -> bool:
-        return not self.table and not self.etable
+        self.size = 0  # entries, routed and engine-reported (the sum of the lengths above)
+        self.used = 0  # ms of the last record into the scope (its place in the scope LRU)
 
 
 class MemoryIndex:
@@ -56,6 +59,13 @@ class MemoryIndex:
     `capacity_blocks` bounds what one replica holds in one scope; `ttl_s` (None: no TTL) ages
     out blocks not recorded again; `clock` returns seconds (tests pass a fake one). Expiry is
     kept in whole milliseconds, like the Redis backend, so both answer alike.
+
+    `max_blocks` bounds the whole index: entries over all scopes and replicas, plus
+    SCOPE_COST_BLOCKS per scope. Scopes are kept in the order they were last recorded; past
+    the bound the least recent scope loses its entries first (each replica its oldest, in
+    proportion to what it holds), so the scope just recorded keeps its chain unless it alone
+    exceeds the bound. With a TTL, each write also frees a few scopes idle for longer than it:
+    a scope nobody asks for again goes without being touched.
 
     Precise mode (EngineEventSink): for a replica marked with `set_precise`, routed entries
     live `routed_ttl_s` (or `ttl_s` if shorter); engine-reported entries have no TTL and are
@@ -70,9 +80,12 @@ class MemoryIndex:
         *,
         routed_ttl_s: float = DEFAULT_ROUTED_TTL_S,
         engine_capacity_blocks: int = DEFAULT_ENGINE_CAPACITY_BLOCKS,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
     ) -> None:
         if capacity_blocks < 0:
             raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        if max_blocks <= SCOPE_COST_BLOCKS:
+            raise ValueError(f"max_blocks must be > {SCOPE_COST_BLOCKS}, got {max_blocks}")
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
         if routed_ttl_s <= 0:
@@ -89,7 +102,10 @@ class MemoryIndex:
         self._capacity: dict[str, int] = {}
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._clock = clock
-        self._scopes: dict[str, _Scope] = {}
+        self._max_blocks = max_blocks
+        self._entries = 0  # the sum of every scope's size
+        self.bound_evicted = 0
+        self._scopes: OrderedDict[str, _Scope] = OrderedDict()  # least recently recorded first
         self._slots: dict[str, int] = {}  # replica -> bit position
         self._names: list[str | None] = []  # bit position -> replica
         self._free: list[int] = []
@@ -151,6 +167,9 @@ class MemoryIndex:
         if st is None or not n or not replicas:
             return result
         self._purge(st, self._now_ms())
+        if not st.size:
+            del self._scopes[scope]
+            return result
         slots = self._slots
         alive = 0
         for name in replicas:
@@ -230,15 +249,12 @@ class MemoryIndex:
             expiry = now + self._routed_ttl_ms
         else:
             expiry = _NEVER if self._ttl_ms is None else now + self._ttl_ms
-        st = self._scopes.get(scope)
-        if st is None:
-            st = self._scopes[scope] = _Scope()
-        else:
-            self._purge(st, now)
+        st = self._use(scope, now)
         bit = 1 << self._slot(replica)
         lru = st.lru.get(replica)
         if lru is None:
             lru = st.lru[replica] = OrderedDict()
+        before = len(lru)
         table = st.table
         move = lru.move_to_end
         for h in reversed(hashes):  # leaf first, root last: the root is the most recent
@@ -254,9 +270,11 @@ class MemoryIndex:
                 holes.pop(h, None)
             if not holes:
                 del st.holes[replica]
+        self._grow(st, len(lru) - before)
         self._trim(st, replica, lru, bit)
         if lru and expiry != _NEVER:
             st.next_expiry = min(st.next_expiry, next(iter(lru.values())))
+        self._settle(scope, st)
 
     def evict_now(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         """The replica no longer holds these blocks (a match stops at the first one)."""
@@ -270,18 +288,21 @@ class MemoryIndex:
         now = self._now_ms()
         bit = 1 << slot
         holes = st.holes.setdefault(replica, {})
+        before = len(lru)
         for h in hashes:
             expiry = lru.pop(h, None)
             if expiry is not None:
                 self._clear(st.table, h, bit)
                 if expiry == _NEVER or expiry > now:
                     holes[h] = expiry
+        self._grow(st, len(lru) - before)
         for h in [h for h, e in holes.items() if e != _NEVER and e <= now]:
             del holes[h]
         if not holes:
             del st.holes[replica]
         if not lru:
             self._drop_replica(st, replica)
+        self._drop_if_empty(scope, st)
 
     def forget_now(self, replica: str) -> None:
         """Drop everything the replica holds, in every scope (it restarted or left)."""
@@ -292,11 +313,13 @@ class MemoryIndex:
         for st in self._scopes.values():
             lru = st.lru.get(replica)
             if lru:
+                self._grow(st, -len(lru))
                 for h in lru:
                     self._clear(st.table, h, bit)
             self._drop_replica(st, replica)
             held = st.eheld.pop(replica, None)
             if held:
+                self._grow(st, -len(held))
                 for h in held:
                     self._clear(st.etable, h, bit)
         self._names[slot] = None
@@ -307,13 +330,12 @@ class MemoryIndex:
         """The engine reported these blocks stored (any part of a chain, in any order)."""
         if not hashes:
             return
-        st = self._scopes.get(scope)
-        if st is None:
-            st = self._scopes[scope] = _Scope()
+        st = self._use(scope, self._now_ms())
         bit = 1 << self._slot(replica)
         held = st.eheld.get(replica)
         if held is None:
             held = st.eheld[replica] = OrderedDict()
+        before = len(held)
         table = st.etable
         for h in hashes:
             if h in held:
@@ -327,6 +349,8 @@ class MemoryIndex:
             for _ in range(over):
                 h, _none = held.popitem(last=False)
                 self._clear(table, h, bit)
+        self._grow(st, len(held) - before)
+        self._settle(scope, st)
 
     def evict_engine_now(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         """The engine reported these blocks evicted. A routed guess for them goes too: the
@@ -338,16 +362,17 @@ class MemoryIndex:
         held = st.eheld.get(replica)
         if held:
             bit = 1 << slot
+            before = len(held)
             for h in hashes:
                 if h in held:
                     del held[h]
                     self._clear(st.etable, h, bit)
+            self._grow(st, len(held) - before)
             if not held:
                 del st.eheld[replica]
         if replica in st.lru:
             self.evict_now(scope, replica, hashes)
-        if st.empty():
-            del self._scopes[scope]
+        self._drop_if_empty(scope, st)
 
     def set_precise(self, replica: str, precise: bool = True) -> None:
         """Mark a replica whose engine reports its blocks: from now on its routed entries live
@@ -384,16 +409,20 @@ class MemoryIndex:
             lru = st.lru.get(replica)
             if lru is not None:
                 self._trim(st, replica, lru, 1 << slot)
+        self._drop_empty_scopes()
 
     def stats_now(self) -> IndexStats:
         per_replica: dict[str, int] = {}
         per_replica_engine: dict[str, int] = {}
         distinct = 0
         size = sys.getsizeof(self._scopes)
-        for st in self._scopes.values():
+        for scope, st in self._scopes.items():
             distinct += len(st.table)
-            size += sys.getsizeof(st.table) + sys.getsizeof(st.etable)
-            size += len(st.etable) * _INT_BYTES
+            size += sys.getsizeof(scope) + sys.getsizeof(st) + sys.getsizeof(st.table)
+            size += sys.getsizeof(st.lru) + sys.getsizeof(st.holes) + sys.getsizeof(st.etable)
+            size += sys.getsizeof(st.eheld) + len(st.etable) * _INT_BYTES
+            for holes in st.holes.values():
+                size += sys.getsizeof(holes)
             for replica, lru in st.lru.items():
                 per_replica[replica] = per_replica.get(replica, 0) + len(lru)
                 size += sys.getsizeof(lru)
@@ -410,6 +439,8 @@ class MemoryIndex:
             engine_blocks_per_replica=per_replica_engine,
             engine_entries=sum(per_replica_engine.values()),
             engine_trimmed=self.engine_trimmed,
+            scopes=len(self._scopes),
+            bound_evicted=self.bound_evicted,
         )
 
     # -- internals ----------------------------------------------------------------------------
@@ -429,13 +460,116 @@ class MemoryIndex:
             self._slots[replica] = slot
         return slot
 
-    def _trim(self, st: _Scope, replica: str, lru: OrderedDict[int, int], bit: int) -> None:
-        over = len(lru) - self._capacity.get(replica, self._default_capacity)
-        for _ in range(max(over, 0)):
+    def _use(self, scope: str, now: int) -> _Scope:
+        """The scope a write goes to, now the most recently recorded (after freeing a few
+        idle scopes, and the scope's own expired entries)."""
+        self._sweep(now)
+        scopes = self._scopes
+        st = scopes.get(scope)
+        if st is None:
+            st = scopes[scope] = _Scope()
+        else:
+            self._purge(st, now)
+            scopes.move_to_end(scope)
+        st.used = now
+        return st
+
+    def _settle(self, scope: str, st: _Scope) -> None:
+        """After a write: drop the scope if it ended empty, then enforce the global bound."""
+        self._drop_if_empty(scope, st)
+        if self._entries + SCOPE_COST_BLOCKS * len(self._scopes) > self._max_blocks:
+            self._enforce_bound()
+
+    def _enforce_bound(self) -> None:
+        """Take entries from the least recently recorded scopes until the index fits: whole
+        scopes while one's weight (entries + its cost) fits in the excess, then part of one."""
+        scopes = self._scopes
+        over = self._entries + SCOPE_COST_BLOCKS * len(scopes) - self._max_blocks
+        while over > 0 and scopes:
+            scope, st = next(iter(scopes.items()))
+            taken = st.size if st.size + SCOPE_COST_BLOCKS <= over else min(over, st.size)
+            if taken == st.size:
+                del scopes[scope]
+                self._entries -= taken
+                over -= taken + SCOPE_COST_BLOCKS
+            else:
+                self._shed(st, taken)
+                over -= taken
+            self.bound_evicted += taken
+
+    def _shed(self, st: _Scope, count: int) -> None:
+        """Drop `count` (< size) of the scope's entries: routed ones first, each replica losing
+        its oldest in proportion to what it holds (replicas in name order, as in Redis), then
+        engine-reported ones the same way."""
+        left = count
+        routed = sum(map(len, st.lru.values()))
+        want = min(left, routed)
+        for replica, lru in sorted(st.lru.items()):
+            if not left:
+                return
+            take = min(len(lru), -(-want * len(lru) // routed), left)
+            self._pop_oldest(st, replica, lru, take)
+            left -= take
+        engine = sum(map(len, st.eheld.values()))
+        want = min(left, engine)
+        for replica, held in sorted(st.eheld.items()):
+            if not left:
+                return
+            take = min(len(held), -(-want * len(held) // engine), left)
+            bit = 1 << self._slots[replica]
+            for _ in range(take):
+                h, _none = held.popitem(last=False)
+                self._clear(st.etable, h, bit)
+            if not held:
+                del st.eheld[replica]
+            self._grow(st, -take)
+            left -= take
+
+    def _sweep(self, now: int) -> None:
+        """Free scopes not recorded for longer than the TTL, a few per call, oldest first.
+
+        Every routed entry (and hole) of such a scope has expired: an entry expires at most
+        `ttl` after its record, and the scope's last record is older than that. Engine-reported
+        entries have no TTL; a scope that still holds some goes to the back of the line.
+        """
+        ttl = self._ttl_ms
+        scopes = self._scopes
+        if ttl is None:
+            return
+        for _ in range(_SWEEP_SCOPES):
+            if not scopes:
+                return
+            scope, st = next(iter(scopes.items()))
+            if st.used + ttl > now:
+                return
+            self._grow(st, -sum(map(len, st.lru.values())))
+            st.table.clear()
+            st.lru.clear()
+            st.holes.clear()
+            st.next_expiry = sys.maxsize
+            if st.size:
+                st.used = now
+                scopes.move_to_end(scope)
+            else:
+                del scopes[scope]
+
+    def _grow(self, st: _Scope, entries: int) -> None:
+        st.size += entries
+        self._entries += entries
+
+    def _pop_oldest(self, st: _Scope, replica: str, lru: OrderedDict[int, int], count: int) -> None:
+        """Drop the replica's `count` least recent entries of the scope (leaves first)."""
+        bit = 1 << self._slots[replica]
+        for _ in range(count):
             h, _expiry = lru.popitem(last=False)
             self._clear(st.table, h, bit)
+        self._grow(st, -count)
         if not lru:
             self._drop_replica(st, replica)
+
+    def _trim(self, st: _Scope, replica: str, lru: OrderedDict[int, int], bit: int) -> None:
+        over = len(lru) - self._capacity.get(replica, self._default_capacity)
+        self._pop_oldest(st, replica, lru, max(over, 0))
 
     def _purge(self, st: _Scope, now: int) -> None:
         """Drop expired entries. Each LRU is in expiry order, so they sit at its head."""
@@ -446,6 +580,7 @@ class MemoryIndex:
         for replica in list(st.lru):
             lru = st.lru[replica]
             bit = 1 << self._slots[replica]
+            before = len(lru)
             while lru:
                 h, expiry = next(iter(lru.items()))
                 if expiry == _NEVER or expiry > now:
@@ -454,6 +589,7 @@ class MemoryIndex:
                     break
                 del lru[h]
                 self._clear(table, h, bit)
+            self._grow(st, len(lru) - before)
             if not lru:
                 self._drop_replica(st, replica)
         st.next_expiry = next_expiry
@@ -490,6 +626,10 @@ class MemoryIndex:
         else:
             table.pop(h, None)
 
+    def _drop_if_empty(self, scope: str, st: _Scope) -> None:
+        if not st.size and self._scopes.get(scope) is st:
+            del self._scopes[scope]
+
     def _drop_empty_scopes(self) -> None:
-        for scope in [s for s, st in self._scopes.items() if st.empty()]:
+        for scope in [s for s, st in self._scopes.items() if not st.size]:
             del self._scopes[scope]

@@ -1,6 +1,9 @@
 """The shared prefix index: the memory backend's semantics kept in Redis for many gateways.
 
 One round trip per match (a binary search in Lua); writes batched; an outage degrades, logs once.
+Bounded like the memory backend: every key expires with the TTL, and a namespace-wide scope
+LRU (kept by the flusher after the writes, off the request path) trims the least recently
+recorded scopes when the entries of all scopes exceed `max_blocks`.
 """
 
 from __future__ import annotations
@@ -28,11 +31,17 @@ from prefix_index.base import IndexStats
 from prefix_index.constants import (
     DEFAULT_CAPACITY_BLOCKS,
     DEFAULT_LOCAL_CACHE_S,
+    DEFAULT_MAX_BLOCKS,
     DEFAULT_NAMESPACE,
     DEFAULT_REDIS_TTL_S,
+    SCOPE_COST_BLOCKS,
+    SIZES_EVICTED,
     ScopeKeys,
     replica_scopes_key,
     replicas_key,
+    scopes_key,
+    sid_of_prefix,
+    sizes_key,
 )
 from prefix_index.memory import MemoryIndex
 
@@ -41,12 +50,26 @@ from prefix_index.memory import MemoryIndex
 REDIS_BYTES_PER_ENTRY = 300
 
 _OUTAGE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
-_SCRIPTS = {"match": _lua.MATCH, "record": _lua.RECORD, "evict": _lua.EVICT, "forget": _lua.FORGET}
+_SCRIPTS = {
+    "match": _lua.MATCH,
+    "record": _lua.RECORD,
+    "evict": _lua.EVICT,
+    "forget": _lua.FORGET,
+    "drop": _lua.DROP,
+    "account": _lua.ACCOUNT,
+    "oldest": _lua.OLDEST,
+}
 _SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in _SCRIPTS.items()}
 _MATCH_SHA = _SHA["match"].encode()
+_SIZED = {_SHA["record"], _SHA["evict"]}  # writes whose reply is the change in entries
 _CACHE_MAX = 8192
 _KEYS_MAX = 4096
 _HINTS_MAX = 4
+_UPKEEP_MS = 1000  # under a steady stream of writes, settle the scope accounts this often...
+_UPKEEP_SCOPES = 1024  # ...or once this many scopes have changed
+_SWEEP_MS = 1000  # look for scopes idle past the TTL this often (client clock)
+_TRIM_SCOPES = 256  # scopes one trim or sweep round handles
+_TRIM_ROUNDS = 64  # rounds one upkeep may spend trimming (the next one goes on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +95,14 @@ class RedisIndex:
     prefixes every key, `local_cache_s` (0: off) lets an identical lookup skip Redis for that
     long (this gateway's own writes to the scope invalidate it), `clock` gives wall-clock
     seconds shared by all gateways. Never raises on an outage: see docs/prefix_index.md.
+
+    `max_blocks` bounds the namespace as MemoryIndex bounds itself (entries of all scopes plus
+    SCOPE_COST_BLOCKS per scope; the least recently recorded scopes lose entries first). Each
+    write's reply says how many entries it added; the flusher sends these to the namespace's
+    scope accounts when the queue empties (or every second under load) and trims there, so a
+    match stays one round trip and a batch of writes one pipeline. The bound may be overshot by
+    what all gateways wrote since their last account. With a TTL every key the backend writes
+    expires, and scopes idle past it are swept from the accounts (their keys deleted).
     """
 
     def __init__(
@@ -84,9 +115,12 @@ class RedisIndex:
         local_cache_s: float = DEFAULT_LOCAL_CACHE_S,
         clock: Callable[[], float] = time.time,
         tuning: RedisTuning | None = None,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
     ) -> None:
         if capacity_blocks < 0:
             raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        if max_blocks <= SCOPE_COST_BLOCKS:
+            raise ValueError(f"max_blocks must be > {SCOPE_COST_BLOCKS}, got {max_blocks}")
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
         if not namespace or "{" in namespace or "}" in namespace:
@@ -97,10 +131,21 @@ class RedisIndex:
         self._default_capacity = capacity_blocks
         self._capacity: dict[str, int] = {}
         self._ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._max_blocks = max_blocks
         self._cache_s = local_cache_s
         self._clock = clock
         self._log = logging.getLogger("prefix_index")
-        self._local = MemoryIndex(capacity_blocks, ttl_s, clock) if t.local_view else None
+        self._local = (
+            MemoryIndex(capacity_blocks, ttl_s, clock, max_blocks=max_blocks)
+            if t.local_view
+            else None
+        )
+        # Entries this gateway's writes added per scope (sid -> [delta, last record ms or 0]),
+        # not yet sent to the namespace's scope accounts.
+        self._carry: dict[str, list[int]] = {}
+        self._carry_entries = 0
+        self._next_upkeep = 0
+        self._next_sweep = 0
         self._client: aioredis.Redis | None = None
         self._lane = FastLane(
             lambda: self._redis().connection_pool, t.timeout_s, t.idle_connections
@@ -236,8 +281,13 @@ class RedisIndex:
              replica, pack_chain(hashes[start : start + step]), expiry)
             for start in reversed(range(0, len(hashes), step))
         ]  # fmt: skip
-        commands.append(("SADD", replica_scopes_key(self.namespace, replica), keys.sid))
-        commands.append(("SADD", replicas_key(self.namespace), replica))
+        scopes_of = replica_scopes_key(self.namespace, replica)
+        replicas = replicas_key(self.namespace)
+        commands.append(("SADD", scopes_of, keys.sid))
+        commands.append(("SADD", replicas, replica))
+        if self._ttl_ms:
+            commands.append(("PEXPIRE", scopes_of, self._ttl_ms))
+            commands.append(("PEXPIRE", replicas, self._ttl_ms))
         return Write(commands, blocks=len(hashes))
 
     async def evict(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
@@ -266,7 +316,8 @@ class RedisIndex:
             self._local.set_capacity(replica, blocks)
 
     async def stats(self) -> IndexStats:
-        """Entries per replica across all gateways of the namespace (three round trips)."""
+        """Entries per replica across all gateways of the namespace (three round trips); the
+        scope count and `bound_evicted` come from the namespace's scope accounts."""
         base = IndexStats(
             backend="redis",
             healthy=not self._down,
@@ -278,7 +329,12 @@ class RedisIndex:
         ns = self.namespace
         try:
             client = self._redis()
-            names = sorted(n.decode() for n in await client.smembers(replicas_key(ns)))
+            pipe = client.pipeline(transaction=False)
+            pipe.smembers(replicas_key(ns))
+            pipe.zcard(scopes_key(ns))
+            pipe.hget(sizes_key(ns), SIZES_EVICTED)
+            members, scope_count, evicted = await pipe.execute()
+            names = sorted(n.decode() for n in members)
             pipe = client.pipeline(transaction=False)
             for name in names:
                 pipe.smembers(replica_scopes_key(ns, name))
@@ -303,6 +359,8 @@ class RedisIndex:
             bytes_estimate=entries * REDIS_BYTES_PER_ENTRY,
             pending_writes=len(self._queue),
             dropped_writes=self._queue.dropped,
+            scopes=int(scope_count),
+            bound_evicted=int(evicted or 0),
         )
 
     # -- writes: queued, batched, buffered through an outage ----------------------------------
@@ -318,6 +376,9 @@ class RedisIndex:
             self._generation = {s: g + 1 for s, g in self._generation.items()}
             self._cache.clear()
         else:
+            if len(self._generation) >= _KEYS_MAX and scope not in self._generation:
+                self._generation.clear()  # scopes are the client's choice: keep this bounded
+                self._cache.clear()  # (a cached answer is valid only with its generation)
             self._generation[scope] = self._generation.get(scope, 0) + 1
         if wait and not self._down:
             write.done = asyncio.get_running_loop().create_future()
@@ -331,13 +392,20 @@ class RedisIndex:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
 
     async def _flush_loop(self) -> None:
-        while self._queue and not self._down and not self._closed:
+        while not self._down and not self._closed:
+            if not self._queue:
+                if self._upkeep_due(idle=True):
+                    await self._upkeep()
+                if not self._queue:
+                    return
+                continue
             batch = self._queue.take()
             try:
                 if batch[0].forget is not None:
                     await self._forget_remote(batch[0].forget)
                 else:
-                    await self._execute([c for w in batch for c in w.commands])
+                    commands = [c for w in batch for c in w.commands]
+                    self._carry_sizes(commands, await self._execute(commands, checked=False))
             except _OUTAGE as exc:
                 self._queue.put_back(batch)
                 self._went_down(exc)
@@ -346,31 +414,183 @@ class RedisIndex:
             finally:  # a waiting record() returns whatever happened (also on cancellation)
                 for write in batch:
                     write.resolve()
+            if self._upkeep_due(idle=False):
+                await self._upkeep()
 
-    async def _execute(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+    async def _execute(self, commands: list[tuple[Any, ...]], checked: bool = True) -> list[Any]:
+        """One pipeline. `checked=False` returns a refused command's error in its place (the
+        caller raises it after using the other replies)."""
         for attempt in (0, 1):
             pipe = self._redis().pipeline(transaction=False)
             for command in commands:
                 pipe.execute_command(*command)
-            try:
-                return list(await pipe.execute())
-            except NoScriptError:  # Redis restarted or flushed its scripts: nothing ran
-                if attempt:
-                    raise
-                await self._load_scripts()
+            replies = list(await pipe.execute(raise_on_error=False))
+            if not attempt and any(isinstance(r, NoScriptError) for r in replies):
+                await self._load_scripts()  # Redis restarted or flushed its scripts
+                continue  # what did run is idempotent or replayed the same way
+            if checked:
+                _raise_first(replies)
+            return replies
         raise AssertionError("unreachable")
 
     async def _forget_remote(self, replica: str) -> None:
         """Per scope the replica holds blocks in, pop its entries in bounded calls."""
         ns = self.namespace
-        scopes_key = replica_scopes_key(ns, replica)
-        for sid in await self._redis().smembers(scopes_key):
+        scopes_of = replica_scopes_key(ns, replica)
+        for sid in await self._redis().smembers(scopes_of):
             keys = ScopeKeys.from_sid(ns, sid.decode())
             command = ("EVALSHA", _SHA["forget"], 1, keys.seq, keys.prefix, replica,
                        self._tuning.forget_batch)  # fmt: skip
-            while int((await self._execute([command]))[0]):
-                pass
-        await self._execute([("DEL", scopes_key), ("SREM", replicas_key(ns), replica)])
+            more = 1
+            while more:
+                more, popped = (await self._execute([command]))[0]
+                self._carry_add(keys.sid, -int(popped), 0)
+        await self._execute([("DEL", scopes_of), ("SREM", replicas_key(ns), replica)])
+
+    # -- the bound: scope accounts, trimming, sweeping (in the flusher, after the writes) -----
+
+    def _carry_sizes(self, commands: list[tuple[Any, ...]], replies: list[Any]) -> None:
+        """Note what each record and evict changed, then raise the first refusal, if any."""
+        for command, reply in zip(commands, replies, strict=True):
+            if command[0] == "EVALSHA" and command[1] in _SIZED and isinstance(reply, int):
+                sid = sid_of_prefix(command[4])
+                if command[1] == _SHA["record"]:
+                    self._carry_add(sid, reply, command[5])  # entries gained, at its time
+                else:
+                    self._carry_add(sid, -reply, 0)  # entries an evict took
+        _raise_first(replies)
+
+    def _carry_add(self, sid: str, delta: int, at: int) -> None:
+        entry = self._carry.get(sid)
+        if entry is None:
+            self._carry[sid] = [delta, at]
+        else:
+            entry[0] += delta
+            entry[1] = max(entry[1], at)
+        self._carry_entries += abs(delta)
+
+    def _upkeep_due(self, idle: bool) -> bool:
+        now = self._now_ms()
+        if self._ttl_ms and now >= self._next_sweep:
+            return True
+        if not self._carry:
+            return False
+        return (
+            idle
+            or now >= self._next_upkeep
+            or len(self._carry) >= _UPKEEP_SCOPES
+            or self._carry_entries * 16 >= self._max_blocks
+        )
+
+    async def _upkeep(self) -> None:
+        """Send the carried sizes; trim past the bound; now and then sweep idle scopes."""
+        try:
+            now = self._now_ms()
+            self._next_upkeep = now + _UPKEEP_MS
+            if self._carry:
+                carry, self._carry, entries = self._carry, {}, self._carry_entries
+                self._carry_entries = 0
+                triples = [(sid, d, at) for sid, (d, at) in carry.items()]
+                try:
+                    load, emptied = await self._account(triples)
+                except BaseException:
+                    for sid, (d, at) in carry.items():
+                        self._carry_add(sid, d, at)
+                    self._carry_entries = max(self._carry_entries, entries)
+                    raise
+                if emptied:  # evictions or a forget emptied them: their keys go too
+                    load = await self._drop_scopes([(sid, 0) for sid in emptied], evicted=False)
+                if load > self._max_blocks:
+                    await self._trim(load)
+            if self._ttl_ms and now >= self._next_sweep:
+                self._next_sweep = now + _SWEEP_MS
+                await self._sweep(now - self._ttl_ms)
+        except _OUTAGE as exc:
+            self._went_down(exc)
+        except RedisError as exc:
+            self._complain("write", exc)
+
+    async def _account(
+        self,
+        triples: list[tuple[str, int, int]],
+        evicted: int = 0,
+        extra: tuple[tuple[Any, ...], ...] = (),
+    ) -> tuple[int, list[str]]:
+        """Apply (sid, delta, at) changes to the scope accounts (see ACCOUNT): the new load, and
+        the scopes left empty."""
+        ns = self.namespace
+        args = [a for triple in triples for a in triple]
+        command = ("EVALSHA", _SHA["account"], 2, scopes_key(ns), sizes_key(ns), self._ttl_ms,
+                   SCOPE_COST_BLOCKS, evicted, *args)  # fmt: skip
+        load, *emptied = (await self._execute([command, *extra]))[0]
+        return int(load), [sid.decode() for sid in emptied]
+
+    async def _trim(self, load: int) -> None:
+        """Take entries from the least recently recorded scopes of the namespace until its
+        load fits: whole scopes while one's weight fits in the excess, then part of one."""
+        ns = self.namespace
+        oldest = ("EVALSHA", _SHA["oldest"], 2, scopes_key(ns), sizes_key(ns), _TRIM_SCOPES)
+        for _ in range(_TRIM_ROUNDS):
+            over = load - self._max_blocks
+            if over <= 0 or self._closed:
+                return
+            flat = (await self._execute([oldest]))[0]
+            victims: list[tuple[str, int | None]] = []  # sid, entries to take (None: all)
+            for sid, size in zip(flat[::2], flat[1::2], strict=True):
+                if over <= 0:
+                    break
+                whole = int(size) + SCOPE_COST_BLOCKS <= over or int(size) <= over
+                victims.append((sid.decode(), None if whole else over))
+                over -= int(size) + SCOPE_COST_BLOCKS if whole else over
+            if not victims:
+                return
+            load = await self._drop_scopes(victims, evicted=True)
+
+    async def _sweep(self, cutoff_ms: int) -> None:
+        """Drop scopes last recorded at or before `cutoff_ms`: every entry of theirs expired
+        (their keys too, if Redis' clock agrees; what is left is deleted)."""
+        for _ in range(_TRIM_ROUNDS):
+            sids = await self._redis().zrangebyscore(
+                scopes_key(self.namespace), "-inf", cutoff_ms, start=0, num=_TRIM_SCOPES
+            )
+            if sids:
+                await self._drop_scopes([(sid.decode(), None) for sid in sids], evicted=False)
+            if len(sids) < _TRIM_SCOPES:
+                return
+
+    async def _drop_scopes(self, victims: list[tuple[str, int | None]], evicted: bool) -> int:
+        """Pop the victims' entries (all of them, or as many as given) in bounded calls, then
+        settle their accounts and their replicas' scope sets; the new load. A scope that ends
+        empty loses its remaining keys and its account."""
+        ns = self.namespace
+        client = self._redis()
+        replicas = sorted(n.decode() for n in await client.smembers(replicas_key(ns)))
+        step = self._tuning.forget_batch
+        todo = {sid: limit for sid, limit in victims}
+        popped = dict.fromkeys(todo, 0)
+        gone: list[str] = []
+        while todo:
+            rounds = list(todo.items())
+            commands = []
+            for sid, limit in rounds:
+                keys = ScopeKeys.from_sid(ns, sid)
+                take = step if limit is None else min(step, limit - popped[sid])
+                commands.append(("EVALSHA", _SHA["drop"], 1, keys.seq, keys.prefix, take,
+                                 *replicas))  # fmt: skip
+            replies = await self._execute(commands)
+            for (sid, limit), (got, left) in zip(rounds, replies, strict=True):
+                popped[sid] += int(got)
+                if not int(left):
+                    gone.append(sid)
+                    del todo[sid]
+                elif limit is not None and popped[sid] >= limit:
+                    del todo[sid]
+        triples = [(sid, 0, -1) if sid in gone else (sid, -popped[sid], 0) for sid in popped]
+        unlisted = tuple(("SREM", replica_scopes_key(ns, r), *gone) for r in replicas if gone)
+        load, _ = await self._account(
+            triples, evicted=sum(popped.values()) if evicted else 0, extra=unlisted
+        )
+        return load
 
     def match_local(
         self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
@@ -478,6 +698,12 @@ class RedisIndex:
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
+
+
+def _raise_first(replies: list[Any]) -> None:
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
 
 
 def _redacted(url: str) -> str:

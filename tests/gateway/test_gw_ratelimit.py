@@ -114,13 +114,16 @@ async def test_memory_all_or_nothing_across_rules() -> None:
     assert v.allowed and [s.remaining for s in v.states] == [8, 0]
 
 
-async def test_memory_oversized_cost_waits_for_a_full_bucket() -> None:
+async def test_memory_oversized_cost_is_refused_and_takes_nothing() -> None:
+    """A cost deeper than the bucket can never fit: refused at once, nothing taken (it used to
+    be charged as the whole depth and let through, the token-limit bypass)."""
     clock = Clock()
     lim = MemoryRateLimiter(clock=clock)
     tok = Rule("tokens/min", 10.0, 100.0, "tokens")
-    assert (await lim.acquire("t", [tok], [500])).allowed  # charged as the whole depth
     v = await lim.acquire("t", [tok], [500])
-    assert not v.allowed and v.retry_after_s == pytest.approx(10.0)
+    assert not v.allowed and v.oversized == (("tokens/min", 500.0),)
+    assert v.states[0].remaining == pytest.approx(100.0)
+    assert (await lim.acquire("t", [tok], [100])).allowed  # a full-depth cost still fits
 
 
 async def test_memory_adjust_debt_and_refund() -> None:

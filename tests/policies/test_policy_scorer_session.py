@@ -90,3 +90,30 @@ def test_memory_is_bounded_lru() -> None:
 def test_session_rejects_bad_capacity(bad: object) -> None:
     with pytest.raises(ValueError, match="capacity"):
         SessionScorer(capacity=bad)  # type: ignore[arg-type]
+
+
+def test_memory_is_bounded_by_bytes_whatever_the_key_length() -> None:
+    """Issue 22: 1 MB `user` values used to be kept whole (65,536 of them: gigabytes)."""
+    import tracemalloc
+
+    scorer = SessionScorer(capacity=64)
+
+    def key(i: int) -> str:  # a fresh string per request, as the gateway makes them
+        return f"{i:04d}" + "u" * 256_000  # 256 KB
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(200):
+            scorer.observe(_went(key(i), f"r{i % 6}"))
+            scorer.score(_req(key(i)), VIEWS)
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(scorer) == 64
+    assert kept < 64 * 1024, kept  # a fixed-size digest per session, not the key
+    # a long key still finds its way back; one a byte longer is another session
+    assert _winner(scorer.score(_req(key(199)), VIEWS)) == f"r{199 % 6}"
+    assert scorer.score(_req(key(199) + "!"), VIEWS) == SessionScorer().score(
+        _req(key(199) + "!"), VIEWS
+    )

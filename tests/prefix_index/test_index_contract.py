@@ -27,6 +27,13 @@ def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+async def settled(index: Any) -> None:
+    """The redis backend settles its scope accounts (and the bound) after the writes."""
+    flush = getattr(index, "flush", None)
+    if flush is not None:
+        await flush()
+
+
 async def test_meets_the_protocol(kind: str, make_index: Callable[..., Any]) -> None:
     index = make_index(kind)
     assert isinstance(index, PrefixIndex)
@@ -165,9 +172,35 @@ async def test_stats_count_blocks_per_replica(kind: str, make_index: Callable[..
         assert stats.distinct_blocks == 12 + 2 + 7
 
 
+async def test_a_global_bound_takes_the_least_recently_recorded_scope_first(
+    kind: str, make_index: Callable[..., Any]
+) -> None:
+    clock = FakeClock()
+    index = make_index(kind, ttl_s=None, clock=clock, max_blocks=50)  # a scope counts 8 more
+    scopes = ["m5:s1", "m5:s2", "m5:s3", "m5:s4"]
+
+    async def depths() -> list[int]:
+        await settled(index)
+        return [(await index.match(s, A, ["r1"]))["r1"] for s in scopes]
+
+    for scope in scopes[:3]:
+        clock.advance(1)
+        await index.record(scope, "r1", A)
+    assert await depths() == [2, 12, 12, 0]  # 60 > 50: the oldest scope lost its 10 leaves
+    clock.advance(1)
+    await index.record(scopes[1], "r1", A)  # s2 is now more recent than s3
+    clock.advance(1)
+    await index.record(scopes[3], "r1", A)  # 70: s1 goes whole, then s3 loses 10
+    assert await depths() == [0, 12, 2, 12]
+    stats = await index.stats()
+    assert (stats.entries, stats.scopes, stats.bound_evicted) == (26, 3, 22)
+
+
 async def test_bad_settings_are_refused(kind: str, make_index: Callable[..., Any]) -> None:
     with pytest.raises(ValueError, match="capacity_blocks"):
         make_index(kind, capacity_blocks=-1)
+    with pytest.raises(ValueError, match="max_blocks"):
+        make_index(kind, max_blocks=0)
     with pytest.raises(ValueError, match="ttl_s"):
         make_index(kind, ttl_s=0)
     index = make_index(kind)
