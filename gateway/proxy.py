@@ -1,6 +1,6 @@
 """Forward one request to a replica and relay the answer: failover before the first byte, never after.
 
-Streamed bytes go to the client as they arrive, unparsed and uncopied; the upstream socket is closed
+Streamed events go to the client as they arrive, checked but uncopied; the upstream socket is closed
 at once when the client goes away, so the engine aborts the request. The client is gateway.upstream
 (a lean keep-alive HTTP/1.1 client: aiohttp's cost dominated the gateway's CPU per request).
 """
@@ -118,7 +118,9 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
 
 
 def response_headers(resp: UpstreamResponse, extra: Headers) -> Headers:
-    out = [(k, v) for k, v in resp.headers if k in _PASS_HEADERS]
+    """The replica's headers worth passing on, less any the gateway sets itself (x-request-id)."""
+    own = {k for k, _ in extra}
+    out = [(k, v) for k, v in resp.headers if k in _PASS_HEADERS and k not in own]
     out.extend(extra)
     return out
 
@@ -132,6 +134,10 @@ async def relay_stream(
 ) -> GatewayError | None:
     """Relay an SSE stream; returns the error that broke it mid-way (already told to the client).
 
+    The client gets the replica's complete, valid events (through `tap`), then, if the stream
+    broke, one error event of its own and nothing more: no `[DONE]`, so no client takes a broken
+    stream for a finished one (the `openai` SDK raises APIError on the error event itself).
+    A failure after `[DONE]` is no failure: the client had the whole stream.
     `after_first` runs once the first chunk is on its way to the client (off the TTFT path).
     """
     resp = opened.resp
@@ -146,12 +152,14 @@ async def relay_stream(
     if out:
         await send({"type": "http.response.body", "body": out, "more_body": True})
     broke: GatewayError | None = None
+    ended = False  # the replica's body came to its end
     try:
         if after_first is not None:
             await after_first()
-        while True:
+        while tap.broken is None:
             chunk = await resp.read_chunk()
             if not chunk:
+                ended = True
                 break
             out = tap.feed(chunk)
             if out:
@@ -160,25 +168,23 @@ async def relay_stream(
         resp.abort()
         raise
     except TimeoutError:
-        broke = UpstreamTimeout("The upstream replica stopped sending mid-stream (timeout)")
+        if not tap.done:
+            broke = UpstreamTimeout("The upstream replica stopped sending mid-stream (timeout)")
     except UpstreamBrokenError as exc:
-        broke = UpstreamError(f"The upstream replica failed mid-stream ({exc})")
+        if not tap.done:
+            broke = UpstreamError(f"The upstream replica failed mid-stream ({exc})")
     else:
-        if not tap.done:  # ended cleanly at the HTTP level, but not as an SSE stream ends
+        if tap.broken is not None:
+            broke = UpstreamError(f"The upstream replica sent {tap.broken}")
+        elif not tap.done:  # ended cleanly at the HTTP level, but not as an SSE stream ends
             broke = UpstreamError("The upstream replica ended the stream without [DONE]")
-    rest = tap.flush()
-    if broke is not None:
-        resp.abort()
-        await send(
-            {
-                "type": "http.response.body",
-                "body": rest + sse_error_event(broke),
-                "more_body": False,
-            }
-        )
-    else:
+    tap.discard()  # an unfinished event is never relayed
+    if ended:
         resp.release()
-        await send({"type": "http.response.body", "body": rest, "more_body": False})
+    else:
+        resp.abort()
+    tail = sse_error_event(broke) if broke is not None else b""
+    await send({"type": "http.response.body", "body": tail, "more_body": False})
     return broke
 
 

@@ -2,6 +2,12 @@
 
 Modes: ok, error_503, error_500, die_midstream (abort the socket after some chunks), stall
 (send some chunks then hang), slow (sleep before answering), sglang_error (flat error body).
+
+Framing modes (SSE as some replicas really send it, or break it), all with a final usage chunk when
+the request asks for one: crlf (events end in CRLF CRLF), bare_cr (CR CR), split (each event cut
+into pieces sent apart), garbage_utf8 / garbage_json (a non-UTF-8 / non-JSON event after two good
+ones, then the rest), die_mid_event / stall_mid_event (half an event, then abort / hang),
+echo_request_id (an ordinary answer that echoes the request's x-request-id header, as vLLM does).
 """
 
 from __future__ import annotations
@@ -107,6 +113,9 @@ class Upstream:
             )
             return
         kind = "chat" if path.endswith("chat/completions") else "text"
+        if self.mode in FRAMING_MODES:
+            await self._framed(req, kind, receive, send)
+            return
         if not req.get("stream"):
             text = " ".join(f"w{i}" for i in range(self.chunks))
             choice: dict[str, Any] = (
@@ -183,6 +192,110 @@ class Upstream:
             # raising after the response started makes uvicorn drop the connection without the
             # chunked terminator: the client sees a body that ends early
             raise RuntimeError("die mid-stream") from None
+
+    async def _framed(self, req: dict[str, Any], kind: str, receive: Any, send: Any) -> None:
+        mode = self.mode
+        rid = self.headers[-1].get(b"x-request-id", b"")
+        extra = [(b"x-request-id", rid)] if mode == "echo_request_id" else []
+        if not req.get("stream"):
+            body = orjson.dumps(
+                {
+                    "id": "cmpl-1",
+                    "object": "chat.completion" if kind == "chat" else "text_completion",
+                    "created": 0,
+                    "model": req["model"],
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "w0"}}
+                        if kind == "chat"
+                        else {"index": 0, "text": "w0"}
+                    ],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+                }
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json"), *extra],
+                }
+            )
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            self.completed += 1
+            return
+        sep = {"crlf": b"\r\n\r\n", "bare_cr": b"\r\r"}.get(mode, b"\n\n")
+        events = [b"data: " + orjson.dumps(_chunk(req, kind, i)) + sep for i in range(self.chunks)]
+        if (req.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 5, "completion_tokens": self.chunks}
+            usage["total_tokens"] = 5 + self.chunks
+            last = {**_chunk(req, kind, 0), "choices": [], "usage": usage}
+            events.append(b"data: " + orjson.dumps(last) + sep)
+        events.append(b"data: [DONE]" + sep)
+        if mode == "garbage_utf8":
+            events.insert(2, b'data: {"choices":[{"index":0,"delta":{"content":"\xff\xfe"}}]}\n\n')
+        elif mode == "garbage_json":
+            events.insert(2, b'data: {"choices": [not json\n\n')
+        elif mode in ("die_mid_event", "stall_mid_event"):
+            events = [*events[:2], events[2][: len(events[2]) // 2]]
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), *extra],
+            }
+        )
+
+        async def body(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+            await asyncio.sleep(self.chunk_delay_s or 0.01)  # apart, so the gateway reads apart
+
+        try:
+            for ev in events:
+                if mode == "split":
+                    third = max(1, len(ev) // 3)
+                    for piece in (ev[:third], ev[third : 2 * third], ev[2 * third :]):
+                        await body(piece)
+                else:
+                    await body(ev)
+            if mode == "die_mid_event":
+                raise _Abort
+            if mode == "stall_mid_event":
+                if (await receive())["type"] == "http.disconnect":
+                    self.cancelled += 1
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self.completed += 1
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        except _Abort:
+            raise RuntimeError("die mid-event") from None
+
+
+FRAMING_MODES = frozenset(
+    {
+        "crlf",
+        "bare_cr",
+        "split",
+        "garbage_utf8",
+        "garbage_json",
+        "die_mid_event",
+        "stall_mid_event",
+        "echo_request_id",
+    }
+)
+
+
+def _chunk(req: dict[str, Any], kind: str, i: int) -> dict[str, Any]:
+    delta = {"content": f"w{i} "} if i else {"role": "assistant", "content": "w0 "}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": 0,
+        "model": req["model"],
+        "choices": [{"index": 0, "delta": delta, "finish_reason": None}]
+        if kind == "chat"
+        else [{"index": 0, "text": f"w{i} ", "finish_reason": None}],
+    }
 
 
 class _Abort(Exception):
