@@ -6,8 +6,14 @@ and a burst of 10x the fleet's admission capacity arrives at once. Every request
 for from the client side (a complete answer or a clear error, nothing hung, truncated or malformed),
 and the error rate and prefix-hit ratio must recover once the faults stop.
 
-    python -m bench.chaos            # the long run (about 3 minutes)
-    python -m bench.chaos --short    # the CI-sized run that tests/chaos runs (about 30 s)
+Then the hostile phases (the reproductions of the hardening issue, one row each): a rogue replica
+that frames SSE with CRLF, sends a non-UTF-8 or a non-JSON event, or dies in the middle of an
+event; a flood of unique `cache_salt` values (the index must stay under `index.max_blocks`); a
+tenant with a small `tokens_per_minute` asking for huge `max_tokens` (none may be admitted); and
+slow request bodies, keyless and keyed, while `/health` must keep answering.
+
+    python -m bench.chaos            # the default run, the one tests/chaos runs (about 45 s)
+    python -m bench.chaos --long     # 5 replicas, 8 fault cycles (about 3.5 minutes)
 
 Everything runs in one event loop on loopback, except Redis: a private `redis-server` on a free
 port, never the shared one on 6379. Exit status 1 when an invariant is violated.
@@ -41,8 +47,10 @@ from simulator.workloads import text
 MODEL = "qwen2.5-14b"
 # outcomes that are a defect of the gateway: the client got neither an answer nor a clear error
 DEFECTS = ("hung", "truncated_stream", "bad_sse_event", "invalid_json", "malformed_error",
-           "connection_error")  # fmt: skip
-GARBAGE_DEFECTS = frozenset({"truncated_stream", "bad_sse_event", "invalid_json"})
+           "connection_error", "admitted_past_limit", "health_unanswered")  # fmt: skip
+ROGUE_MODEL = "rogue-model"
+ROGUE_MODES = ("crlf", "garbage_utf8", "garbage_json", "die_mid_event")
+TINY = ("tiny", "sk-chaos-tiny-3c91", 3000)  # name, key, tokens_per_minute
 
 
 def free_port() -> int:
@@ -90,6 +98,20 @@ class PrivateRedis:
             await asyncio.sleep(0.02)
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
 
+    async def info(self) -> dict[str, float]:
+        """DBSIZE and used_memory, over a raw connection (RESP)."""
+        r, w = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            w.write(b"DBSIZE\r\nINFO memory\r\n")
+            keys = int((await r.readline())[1:])
+            size = int((await r.readline())[1:])
+            text = (await r.readexactly(size + 2)).decode()
+        finally:
+            w.close()
+        mem = next(int(ln.split(":")[1]) for ln in text.splitlines()
+                   if ln.startswith("used_memory:"))  # fmt: skip
+        return {"redis_keys": float(keys), "redis_used_memory": float(mem)}
+
     async def stop(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None and proc.returncode is None:
@@ -127,6 +149,79 @@ class LoopbackServer:
             await self.task
 
 
+class RogueReplica:
+    """An OpenAI-speaking replica that breaks SSE the ways real ones have (the issue's repros).
+
+    The mode comes from the request body's `user` field (`rogue:<mode>`), one of ROGUE_MODES:
+    `crlf` (a good stream framed with CRLF CRLF), `garbage_utf8` / `garbage_json` (two good events,
+    then one that is not UTF-8 / not JSON, then the rest), `die_mid_event` (two good events, half of
+    a third, then the connection is dropped)."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    @staticmethod
+    def _chunk(i: int, text: str) -> bytes:
+        return b"data: " + orjson.dumps({
+            "id": "cmpl-rogue", "object": "chat.completion.chunk", "created": 0,
+            "model": ROGUE_MODEL,
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+        }) + b"\n\n"  # fmt: skip
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path = scope["path"]
+        if path == "/v1/models":
+            await self._whole(send, 200, {"object": "list",
+                                          "data": [{"id": ROGUE_MODEL, "object": "model"}]})
+            return
+        if path != "/v1/chat/completions":
+            await self._whole(send, 200, {"status": "ok"})
+            return
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        body = orjson.loads(raw)
+        mode = str(body.get("user", "")).removeprefix("rogue:")
+        self.calls[mode] += 1
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        chunks = [self._chunk(i, f"tok{i} ") for i in range(6)]
+
+        async def out(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+            await asyncio.sleep(0.01)
+
+        for i, c in enumerate(chunks):
+            if i == 2 and mode == "garbage_utf8":
+                await out(b"data: {\"id\": \"\xff\xfe\xc3\x28 not utf-8\"}\n\n")
+            elif i == 2 and mode == "garbage_json":
+                await out(b"data: {\"id\": cmpl-rogue, choices: [oops\n\n")
+            elif i == 2 and mode == "die_mid_event":
+                await out(c[: len(c) // 2])
+                raise ConnectionAbortedError("rogue replica dies mid-event")
+            await out(c.replace(b"\n", b"\r\n") if mode == "crlf" else c)
+        done = b"data: [DONE]\n\n"
+        await send({"type": "http.response.body",
+                    "body": done.replace(b"\n", b"\r\n") if mode == "crlf" else done})
+
+    @staticmethod
+    async def _whole(send: Any, status: int, obj: Any) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": orjson.dumps(obj)})
+
+
 # --- the plan ------------------------------------------------------------------------------------
 
 
@@ -146,6 +241,13 @@ class Plan:
     groups: int = 8  # shared system prompts
     system_tokens: int = 600
     seed: int = 1
+    hostile: bool = True  # the hostile phases after the recovery window
+    index_max_blocks: int = 5_000  # small, so the cache_salt flood meets the bound
+    salt_flood: int = 300  # requests, each with its own cache_salt
+    rogue_per_mode: int = 12  # streamed requests per rogue-replica mode
+    huge_max_tokens: int = 20  # requests of the small-bucket tenant
+    slow_bodies: int = 40  # connections trickling a body (half keyless, half keyed)
+    body_timeout_s: float = 2.0
 
     @property
     def faults_end_s(self) -> float:
@@ -170,9 +272,10 @@ TENANTS = [  # name, key, class, may also use, weight, share of traffic
 ]
 
 
-def gateway_config(plan: Plan, urls: list[str], redis_url: str) -> dict[str, Any]:
-    return {
-        "server": {"expose_upstream_errors": False},
+def gateway_config(plan: Plan, urls: list[str], redis_url: str,
+                   rogue_url: str | None = None) -> dict[str, Any]:
+    cfg = {
+        "server": {"expose_upstream_errors": False, "body_timeout_s": plan.body_timeout_s},
         "pools": {
             "chat": {
                 "replicas": [{"url": u, "name": f"r{i}"} for i, u in enumerate(urls)],
@@ -185,7 +288,7 @@ def gateway_config(plan: Plan, urls: list[str], redis_url: str) -> dict[str, Any
                 "retries": 2,
             }
         },
-        "index": {"backend": "redis", "redis_url": redis_url},
+        "index": {"backend": "redis", "redis_url": redis_url, "max_blocks": plan.index_max_blocks},
         "ratelimit": {"backend": "redis", "redis_url": redis_url},
         "priority_classes": {
             "interactive": {"rank": 0, "max_queue_wait_s": 1.5, "max_queue_len": 4 * plan.capacity},
@@ -195,8 +298,20 @@ def gateway_config(plan: Plan, urls: list[str], redis_url: str) -> dict[str, Any
             {"name": n, "api_keys": [k], "priority": c, "allowed_priorities": [c, *also],
              "weight": w, "limits": {"requests_per_second": 10_000}}
             for n, k, c, also, w, _ in TENANTS
-        ],
+        ] + [{"name": TINY[0], "api_keys": [TINY[1]], "priority": "batch",
+              "limits": {"tokens_per_minute": TINY[2]}}],
     }  # fmt: skip
+    if rogue_url is not None:
+        cfg["pools"]["rogue"] = {  # type: ignore[index]
+            "replicas": [{"url": rogue_url, "name": "rogue", "models": [ROGUE_MODEL]}],
+            "policy": "round_robin", "retries": 2,
+            "health": {"interval_s": 0.25, "timeout_s": 0.5, "failures_to_open": 1000,
+                       "open_s": 0.5},
+            "timeouts": {"connect_s": 0.5, "first_byte_s": 2.0, "idle_s": 1.5, "total_s": 4.0},
+            "scrape": {"enabled": False},
+        }  # fmt: skip
+        cfg["routes"] = [{"match": {"model": ROGUE_MODEL}, "pool": "rogue"}, {"pool": "chat"}]
+    return cfg
 
 
 def client_deadline_s(cfg: dict[str, Any]) -> float:
@@ -229,6 +344,7 @@ class Result:
     replica: str | None = None  # from the gateway's trace
     tried: tuple[str, ...] = ()
     retries: int = 0
+    tag: str = ""  # the hostile phase it belongs to ("" : the steady load)
 
 
 def _usage(obj: Any) -> tuple[int, int | None]:
@@ -265,8 +381,17 @@ def judge_json(res: Result, body: bytes) -> None:
 
 
 def judge_sse(res: Result, body: bytes) -> None:
-    """Content chunks then `[DONE]`: ok; a final `data: {"error": ...}`: a clear error."""
-    events = [e for e in body.replace(b"\r\n", b"\n").split(b"\n\n") if e.strip()]
+    """Content chunks then `[DONE]`: ok; a final `data: {"error": ...}`: a clear error.
+
+    Events may end in LF, CRLF or CR (all three are SSE); every byte must be UTF-8 and every event
+    before the last a JSON object, so garbage relayed from a replica is a defect either way."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        res.outcome = "bad_sse_event"
+        return
+    body = body.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    events = [e for e in body.split(b"\n\n") if e.strip()]
     payloads: list[bytes] = []
     for e in events:
         data = [ln[5:].strip() for ln in e.split(b"\n") if ln.startswith(b"data:")]
@@ -277,6 +402,9 @@ def judge_sse(res: Result, body: bytes) -> None:
         except orjson.JSONDecodeError:
             last = None
         if isinstance(last, dict) and isinstance(last.get("error"), dict):
+            if not body.endswith(b"\n\n") or any(not _content_event(p) for p in payloads[:-1]):
+                res.outcome = "bad_sse_event"  # an error event, but after a broken event
+                return
             err = last["error"]
             res.outcome = "error"
             res.error, res.code = f"stream {err.get('type')}", str(err.get("code"))
@@ -300,6 +428,14 @@ def judge_sse(res: Result, body: bytes) -> None:
             res.prompt_tokens, res.cached_tokens = _usage(obj)
     if content == 0:
         res.outcome = "truncated_stream"
+
+
+def _content_event(payload: bytes) -> bool:
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and "error" not in obj
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -340,6 +476,9 @@ class Chaos:
         self.redis: PrivateRedis | None = None
         self.http: aiohttp.ClientSession | None = None
         self.exporter = InMemorySpanExporter()
+        self.rogue = RogueReplica()
+        self.index_before: dict[str, float] = {}
+        self.index_after: dict[str, float] = {}
         self._n = 0
         prompts = [
             text(f"chaos-sys-{plan.seed}-{g}", plan.system_tokens) for g in range(plan.groups)
@@ -390,6 +529,10 @@ class Chaos:
 
     async def one(self, burst: bool = False) -> None:
         url, body, headers, res = self.request(burst)
+        await self.post(url, body, headers, res)
+
+    async def post(self, url: str, body: dict[str, Any], headers: dict[str, str],
+                   res: Result) -> None:
         assert self.http is not None
         try:
             async with asyncio.timeout(self.deadline_s):
@@ -500,6 +643,136 @@ class Chaos:
             await asyncio.sleep(max(0.0, at - self.now()))
             await step()
 
+    # the hostile phases (the hardening issue's reproductions) ----------------------------------
+    def custom(self, tag: str, body: dict[str, Any], key: str, tenant: str) -> Awaitable[None]:
+        i, self._n = self._n, self._n + 1
+        trace_id = f"{self.rng.getrandbits(128) or 1:032x}"
+        headers = {"authorization": f"Bearer {key}", "content-type": "application/json",
+                   "traceparent": f"00-{trace_id}-{self.rng.getrandbits(64) or 1:016x}-01",
+                   "x-request-id": f"chaos-{i}"}  # fmt: skip
+        t = self.now()
+        res = Result(i, t, t, "chat", bool(body.get("stream")), tenant, "", False, trace_id,
+                     tag=tag)  # fmt: skip
+        return self.post(f"{self.url}/v1/chat/completions", body, headers, res)
+
+    async def index_metrics(self) -> dict[str, float]:
+        assert self.http is not None
+        async with self.http.get(self.url + "/metrics") as resp:
+            lines = (await resp.text()).splitlines()
+        out: dict[str, float] = {"blocks": 0.0}
+        for ln in lines:
+            if ln.startswith("#") or " " not in ln:
+                continue
+            name, value = ln.rsplit(" ", 1)
+            base = name.split("{", 1)[0]
+            if base in ("gateway_index_scopes", "gateway_index_bytes",
+                        "gateway_index_bound_evicted_blocks_total"):
+                out[base.removeprefix("gateway_index_")] = float(value)
+            elif base == "gateway_index_blocks":
+                out["blocks"] += float(value)
+        if self.redis is not None:  # the Redis backend keeps its entries there
+            with contextlib.suppress(OSError, ValueError, StopIteration):
+                out.update(await self.redis.info())
+        return out
+
+    async def batches(self, calls: list[Awaitable[None]], n: int = 40) -> None:
+        for k in range(0, len(calls), n):
+            await asyncio.gather(*calls[k:k + n])
+
+    async def hostile(self) -> None:
+        plan, acme = self.plan, TENANTS[0]
+        msgs = [{"role": "user", "content": "hello rogue"}]
+        calls = [self.custom(f"sse {mode}", {"model": ROGUE_MODEL, "messages": msgs, "stream": True,
+                                              "max_tokens": 8, "user": f"rogue:{mode}"},
+                             acme[1], acme[0])
+                 for mode in ROGUE_MODES for _ in range(plan.rogue_per_mode)]  # fmt: skip
+        self.note(f"rogue replica: {len(calls)} streams ({', '.join(ROGUE_MODES)})")
+        await self.batches(calls)
+        self.index_before = await self.index_metrics()
+        flood = []
+        for k in range(plan.salt_flood):
+            body = {"model": MODEL, "max_tokens": 4, "cache_salt": f"flood-{plan.seed}-{k}",
+                    "messages": [{"role": "system", "content": self.prompts[k % len(self.prompts)]},
+                                 {"role": "user", "content": f"salted {k}"}]}  # fmt: skip
+            flood.append(self.custom("salt flood", body, acme[1], acme[0]))
+        self.note(f"{len(flood)} requests with unique cache_salt")
+        await self.batches(flood)
+        self.index_after = await self.index_metrics()
+        huge = [self.custom("huge max_tokens", {"model": MODEL, "messages": msgs,
+                                                 "max_tokens": 50_000 + k}, TINY[1], TINY[0])
+                for k in range(plan.huge_max_tokens)]  # fmt: skip
+        self.note(f"{len(huge)} requests with max_tokens 50000 from a {TINY[2]} tokens/min tenant")
+        await self.batches(huge)
+        self.note(f"{plan.slow_bodies} slow bodies (half keyless) while /health is probed")
+        slow = [self.slow_body(keyed=k % 2 == 1) for k in range(plan.slow_bodies)]
+        await asyncio.gather(*slow, self.probe_health(plan.body_timeout_s + 1.0))
+
+    async def slow_body(self, keyed: bool) -> None:
+        i, self._n = self._n, self._n + 1
+        t = self.now()
+        tag = "slow body " + ("keyed" if keyed else "keyless")
+        res = Result(i, t, t, "chat", False, TENANTS[1][0] if keyed else "-", "", False, "",
+                     tag=tag)  # fmt: skip
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        auth = f"authorization: Bearer {TENANTS[1][1]}\r\n" if keyed else ""
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n"
+                f"content-type: application/json\r\ncontent-length: 100000\r\n{auth}\r\n")
+        writer = None
+        try:
+            async with asyncio.timeout(self.plan.body_timeout_s + 3.0):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(head.encode() + b'{"model": "')
+
+                async def trickle() -> None:
+                    with contextlib.suppress(OSError):
+                        while True:
+                            await asyncio.sleep(0.2)
+                            writer.write(b"a")
+                            await writer.drain()
+
+                dribble = asyncio.create_task(trickle())
+                try:
+                    raw = await reader.readuntil(b"\r\n\r\n")
+                    res.status = int(raw.split(b" ", 2)[1])
+                    length = 0
+                    for ln in raw.split(b"\r\n")[1:]:
+                        k, _, v = ln.partition(b":")
+                        if k.strip().lower() == b"content-length":
+                            length = int(v)
+                    payload = await reader.readexactly(length)
+                finally:
+                    dribble.cancel()
+            judge_error_body(res, payload)
+        except TimeoutError:
+            res.outcome = "hung"
+        except (OSError, asyncio.IncompleteReadError, ValueError, IndexError) as exc:
+            res.outcome, res.error = "connection_error", type(exc).__name__
+        finally:
+            if writer is not None:
+                writer.close()
+        res.t_end = self.now()
+        self.results.append(res)
+
+    async def probe_health(self, for_s: float) -> None:
+        assert self.http is not None
+        end = self.now() + for_s
+        while self.now() < end:
+            i, self._n = self._n, self._n + 1
+            t = self.now()
+            res = Result(i, t, t, "health", False, "-", "", False, "", tag="/health (slow bodies)")
+            try:
+                async with asyncio.timeout(1.0):
+                    async with self.http.get(self.url + "/health") as resp:
+                        res.status = resp.status
+                        await resp.read()
+                if res.status != 200:
+                    res.outcome = "health_unanswered"
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                res.outcome = "health_unanswered"
+            res.t_end = self.now()
+            self.results.append(res)
+            await asyncio.sleep(0.1)
+
     # putting it together --------------------------------------------------------------------------
     async def run(self) -> Report:
         plan = self.plan
@@ -509,7 +782,11 @@ class Chaos:
             async with Fleet(n=plan.replicas, model=MODEL, speedup=plan.speedup,
                              seed=plan.seed) as fleet:  # fmt: skip
                 self.fleet = fleet
-                cfg = gateway_config(plan, fleet.urls, self.redis.url)
+                rogue = LoopbackServer(self.rogue) if plan.hostile else None
+                if rogue is not None:
+                    await rogue.start()
+                cfg = gateway_config(plan, fleet.urls, self.redis.url,
+                                     rogue.url if rogue is not None else None)
                 self.deadline_s = client_deadline_s(cfg)
                 tracing = Tracing(None, exporter=self.exporter, environ={})
                 server = LoopbackServer(create_app(parse_config(cfg), tracing=tracing))
@@ -526,6 +803,8 @@ class Chaos:
                         await self._drive()
                 finally:
                     await server.stop()
+                    if rogue is not None:
+                        await rogue.stop()
         finally:
             await self.redis.stop()
         return self.report()
@@ -538,6 +817,8 @@ class Chaos:
         await script
         if self.pending:
             await asyncio.wait(set(self.pending))
+        if plan.hostile:
+            await self.hostile()
 
     def report(self) -> Report:
         spans = {
@@ -553,7 +834,7 @@ class Chaos:
                 r.tried = tuple(a.get("gateway.replicas_tried") or ())  # type: ignore[arg-type]
                 r.retries = int(a.get("gateway.retries") or 0)  # type: ignore[arg-type]
         return Report(self.plan, sorted(self.results, key=lambda r: r.i), self.faults,
-                      self.events, self.deadline_s)  # fmt: skip
+                      self.events, self.deadline_s, self.index_before, self.index_after)  # fmt: skip
 
 
 # --- the accounting ------------------------------------------------------------------------------
@@ -566,27 +847,22 @@ class Report:
     faults: Window
     events: list[tuple[float, str]]
     deadline_s: float
-    garbage_replicas: frozenset[str] = frozenset()
-
-    def __post_init__(self) -> None:
-        self.garbage_replicas = frozenset(
-            what.split()[0] for _, what in self.events if "garbage_sse" in what
-        )
+    index_before: dict[str, float] = field(default_factory=dict)
+    index_after: dict[str, float] = field(default_factory=dict)
 
     def phase(self, r: Result) -> str:
+        if r.tag:
+            return r.tag
         if r.burst:
             return "burst"
         if r.t_start < self.plan.warmup_s:
             return "warmup"
         return "faults" if r.t_start < self.plan.faults_end_s else "recovery"
 
-    def known_defect(self, r: Result) -> bool:
-        """A defect explained by the garbage_sse fault (the gateway relays it: reported)."""
-        return r.outcome in GARBAGE_DEFECTS and r.replica in self.garbage_replicas
-
     def hit_ratio(self, lo: float, hi: float) -> float | None:
         rs = [r for r in self.results
-              if lo <= r.t_end < hi and r.outcome == "ok" and r.cached_tokens is not None
+              if not r.tag and lo <= r.t_end < hi and r.outcome == "ok"
+              and r.cached_tokens is not None
               and r.prompt_tokens]  # fmt: skip
         prompt = sum(r.prompt_tokens for r in rs)
         return sum(r.cached_tokens or 0 for r in rs) / prompt if prompt else None
@@ -618,18 +894,19 @@ class Report:
         grace = 2.5  # a restarted or cleared replica: circuit half-open after open_s, then probed
         return [
             r for r in self.results
-            if r.status >= 500 and not r.tried
+            if r.status >= 500 and not r.tried and not r.tag
             and self.faults.healthy(r.t_start, self.plan.replicas, grace) > 0
         ]  # fmt: skip
 
     def errors_after_faults(self, settle_s: float = 2.0) -> list[Result]:
         return [r for r in self.results
-                if r.t_start >= self.plan.faults_end_s + settle_s and r.outcome != "ok"]  # fmt: skip
+                if not r.tag and r.t_start >= self.plan.faults_end_s + settle_s
+                and r.outcome != "ok"]  # fmt: skip
 
     def violations(self) -> list[str]:
         out = []
-        defects = Counter(r.outcome for r in self.results
-                          if r.outcome in DEFECTS and not self.known_defect(r))  # fmt: skip
+        defects = Counter(f"{self.phase(r)}: {r.outcome}" for r in self.results
+                          if r.outcome in DEFECTS)  # fmt: skip
         if defects:
             out.append(f"defects (neither an answer nor a clear error): {dict(defects)}")
         hung = sum(r.outcome == "hung" for r in self.results)
@@ -651,17 +928,30 @@ class Report:
                        f"{rec * self.plan.speedup:.0f} s simulated to recover (> 30 s)")  # fmt: skip
         if not any(r.outcome == "ok" for r in self.results if self.phase(r) == "recovery"):
             out.append("no request succeeded after the faults")
+        if self.plan.hostile:
+            # the memory backend reports its blocks; the Redis one holds one HASH per block (and
+            # a ZSET per scope and replica, counted 8 blocks a scope by the bound): its key count
+            blocks = self.index_after.get("blocks") or self.index_after.get("redis_keys")
+            if blocks is None or blocks > self.plan.index_max_blocks:
+                out.append(f"the index holds {blocks} blocks after the cache_salt flood "
+                           f"(index.max_blocks {self.plan.index_max_blocks})")  # fmt: skip
+            for tag, want in (("sse crlf", "ok"), ("huge max_tokens", "shed")):
+                bad = [r for r in self.results if r.tag == tag and r.outcome != want]
+                if bad:
+                    out.append(f"{tag}: {len(bad)} not {want}: "
+                               f"{Counter(r.outcome + ' ' + r.error for r in bad)}")  # fmt: skip
         return out
 
     def table(self) -> str:
         p = self.plan
         phases = ["warmup", "faults", "burst", "recovery"]
+        phases += list(dict.fromkeys(r.tag for r in self.results if r.tag))
         cols = ["sent", "ok", "failed over", "shed", "errors", "defects", "hung"]
         lines = [
             f"chaos: {p.replicas} replicas, speedup {p.speedup:g}, {p.rate:g} req/s steady, "
             f"{p.cycles} fault cycle(s), {p.duration_s:.0f} s, seed {p.seed}, "
             f"client deadline {self.deadline_s:.0f} s",
-            f"{'phase':<10}" + "".join(f"{c:>12}" for c in cols),
+            f"{'phase':<24}" + "".join(f"{c:>12}" for c in cols),
         ]
 
         def row(name: str, rs: list[Result]) -> str:
@@ -674,19 +964,21 @@ class Report:
                 sum(r.outcome in DEFECTS and r.outcome != "hung" for r in rs),
                 sum(r.outcome == "hung" for r in rs),
             ]
-            return f"{name:<10}" + "".join(f"{v:>12}" for v in vals)
+            return f"{name:<24}" + "".join(f"{v:>12}" for v in vals)
 
         for ph in phases:
             lines.append(row(ph, [r for r in self.results if self.phase(r) == ph]))
         lines.append(row("total", self.results))
-        errs = Counter(f"{r.outcome}: {r.error}" for r in self.results
-                       if r.outcome in ("error", "shed"))  # fmt: skip
+        main = [r for r in self.results if not r.tag]
+        if len(main) != len(self.results):
+            lines.append(row("  of which steady load", main))
+        errs = Counter(f"{r.outcome}: {r.error}" + (f" [{r.code}]" if r.tag else "")
+                       + (f" ({r.tag})" if r.tag else "")
+                       for r in self.results if r.outcome in ("error", "shed"))  # fmt: skip
         lines.append("errors by type:")
         lines += [f"  {n:>6}  {k}" for k, n in errs.most_common()] or ["       0"]
-        defects = Counter(
-            f"{r.outcome}{' (garbage_sse relayed: known, reported)' if self.known_defect(r) else ''}"
-            for r in self.results if r.outcome in DEFECTS
-        )  # fmt: skip
+        defects = Counter(f"{self.phase(r)}: {r.outcome}"
+                          for r in self.results if r.outcome in DEFECTS)  # fmt: skip
         lines.append("defects:")
         lines += [f"  {n:>6}  {k}" for k, n in defects.most_common()] or ["       0"]
         rec = self.recovery_s()
@@ -704,6 +996,27 @@ class Report:
         first = [(t, w) for t, w in self.events if t < p.warmup_s + p.cycle_s]
         more = f" (then {p.cycles - 1} more cycles on rotated replicas)" if p.cycles > 1 else ""
         lines.append("fault script: " + "; ".join(f"{t:.1f}s {w}" for t, w in first) + more)
+        if self.index_after:
+            b, a = self.index_before, self.index_after
+
+            def ix(d: dict[str, float]) -> str:
+                local = (f"gateway_index_scopes {d.get('scopes', 0):.0f}, blocks "
+                         f"{d.get('blocks', 0):.0f}, gateway_index_bytes {d.get('bytes', 0):.0f}")
+                if "redis_keys" in d:
+                    local += (f"; Redis {d['redis_keys']:.0f} keys, used_memory "
+                              f"{d['redis_used_memory'] / 1e6:.2f} MB")
+                return local
+
+            lines.append(
+                f"index around the cache_salt flood ({p.salt_flood} unique salts, index.max_blocks "
+                f"{p.index_max_blocks}):\n  before {ix(b)}\n  after  {ix(a)}; bound evictions "
+                f"{a.get('bound_evicted_blocks_total', 0) - b.get('bound_evicted_blocks_total', 0):.0f}"
+            )
+            slow = [r for r in self.results if r.tag.startswith("slow body")]
+            for tag in sorted({r.tag for r in slow}):
+                rs = [r.t_end - r.t_start for r in slow if r.tag == tag]
+                lines.append(f"{tag}: answered after {min(rs):.2f}-{max(rs):.2f} s "
+                             f"(body_timeout_s {p.body_timeout_s:g})")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -713,15 +1026,20 @@ async def run_chaos(plan: Plan, log: Callable[[str], None] = print) -> Report:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.chaos", description=__doc__.splitlines()[0])
-    p.add_argument("--short", action="store_true", help="the CI-sized run (about 30 s)")
+    p.add_argument("--short", action="store_true", help="the default run (kept for old scripts)")
+    p.add_argument("--long", action="store_true", help="5 replicas, 8 fault cycles (~3.5 min)")
+    p.add_argument("--no-hostile", action="store_true", help="skip the hostile phases")
     p.add_argument("--cycles", type=int, help="fault cycles (long run: 8)")
     p.add_argument("--replicas", type=int)
     p.add_argument("--rate", type=float, help="steady arrivals per second")
     p.add_argument("--speedup", type=float)
     p.add_argument("--seed", type=int)
     args = p.parse_args(argv)
-    plan = SHORT if args.short else LONG
-    overrides = {k: v for k, v in vars(args).items() if k != "short" and v is not None}
+    plan = LONG if args.long else SHORT
+    overrides = {k: v for k, v in vars(args).items()
+                 if k not in ("short", "long", "no_hostile") and v is not None}  # fmt: skip
+    if args.no_hostile:
+        overrides["hostile"] = False
     plan = Plan(**{**plan.__dict__, **overrides})
     t = time.perf_counter()
     report = asyncio.run(run_chaos(plan))

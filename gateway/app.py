@@ -114,6 +114,10 @@ class GatewayApp:
             "/v1/completions": ProxyEndpoint(pipeline, "completions", self.bodies),
         }
 
+    def begin_shutdown(self, grace_s: float) -> None:
+        """The server's graceful shutdown began (gateway.http_protocol): end streams in time."""
+        self.gateway.live_streams.close_in(grace_s)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in UNLIMITED_PATHS:
             await self.rest(scope, receive, send)

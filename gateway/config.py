@@ -52,6 +52,17 @@ class ServerConfig(_Strict):
     all bodies in flight together by `max_body_bytes_in_flight` (past it a new body gets 503);
     with that cap off, the bound is `max_body_bytes` × `max_connections`.
 
+    Non-streamed answers (each at most 64 MiB, `proxy.MAX_RESPONSE_BYTES`) are held whole until
+    sent; all held at once are capped by `max_answer_bytes_in_flight`: an answer that would pass it
+    gets an OpenAI-shaped 503 (`answer_bytes_in_flight`, Retry-After) and is not read. So the
+    bound is `max_answer_bytes_in_flight` plus, per connection, what the socket buffers hold (a
+    large answer is sent in 256 KiB slices, each after the last drained); with the cap off, 64 MiB
+    × `max_connections`. Streams hold no answer: each event is relayed as it arrives.
+
+    `graceful_shutdown_s`: on SIGTERM, requests in flight may finish for this long; a stream still
+    running shortly before it ends (1 s, or a quarter of it if less) gets a `server_shutting_down`
+    error event and a terminated body, and its replica connection is closed.
+
     `max_connections` counts requests in flight (each holds a connection), per gateway process;
     beyond it a request gets an OpenAI-shaped 503 at once. `/health`, `/ready` and `/metrics` are exempt: probes answer
     while every slot is taken. Idle connections are not counted: they are closed by the header
@@ -62,6 +73,7 @@ class ServerConfig(_Strict):
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_body_bytes_in_flight: int | None = Field(256 * 1024 * 1024, ge=1024)  # None: no cap
+    max_answer_bytes_in_flight: int | None = Field(256 * 1024 * 1024, ge=1024)  # None: no cap
     graceful_shutdown_s: float = Field(30.0, ge=0)
     body_timeout_s: float = Field(30.0, gt=0)  # deadline for a WHOLE request body, from its start
     max_connections: int | None = Field(None, ge=1)  # requests in flight; health probes exempt

@@ -12,7 +12,7 @@
     ├── RateLimited                   429 rate_limit_error        (Retry-After)
     │   └── RequestExceedsLimit       429 rate_limit_error        (none: it can never fit)
     ├── Shed                          429 | 503 overloaded_error  (Retry-After)
-    ├── ServerBusy                    503 service_unavailable     (Retry-After: slots or body bytes)
+    ├── ServerBusy                    503 service_unavailable     (Retry-After: slots, bytes held, shutdown)
     └── UpstreamError                 502 upstream_error
         ├── NoReplicaAvailable        503 service_unavailable     (Retry-After)
         └── UpstreamTimeout           504 timeout_error

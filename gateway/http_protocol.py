@@ -1,5 +1,8 @@
 """uvicorn's httptools protocol with the limits it lacks: a deadline for request headers and caps
-on their count and size, so slowloris clients and header floods cannot hold memory or sockets."""
+on their count and size, so slowloris clients and header floods cannot hold memory or sockets.
+
+It also tells the app when the server's graceful shutdown begins (uvicorn tells connections, not
+apps): the app's `begin_shutdown(grace_s)` ends its streams before the grace runs out."""
 
 from __future__ import annotations
 
@@ -33,6 +36,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        grace = self.config.timeout_graceful_shutdown
+        if grace is not None:
+            app: Any = self.app
+            for _ in range(8):  # through uvicorn's middleware (proxy headers, message logger)
+                hook = getattr(app, "begin_shutdown", None)
+                if hook is not None:
+                    hook(float(grace))
+                    break
+                app = getattr(app, "app", None)
+                if app is None:
+                    break
+        super().shutdown()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

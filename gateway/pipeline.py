@@ -18,7 +18,14 @@ import orjson
 from policies.types import Decision
 
 from .config import TimeoutsConfig
-from .errors import GatewayError, NoReplicaAvailable, NotFound, UpstreamError, UpstreamTimeout
+from .errors import (
+    GatewayError,
+    NoReplicaAvailable,
+    NotFound,
+    ServerBusy,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from .openai import Kind, ParsedRequest, parse_body
 from .proxy import (
     Opened,
@@ -272,7 +279,12 @@ class Pipeline:
                         pc.timeouts,
                         req.stream,
                         left,
+                        self.gw.answers,
+                        self.gw.config.server.max_answer_bytes_in_flight,
                     )
+                except ServerBusy:  # the gateway's own answer budget, not the replica's fault
+                    await current.finished(True, True, None)
+                    raise
                 except Retryable as exc:
                     await current.failed(exc.reason)
                     failures.append(f"{name}: {exc.reason}")
@@ -289,7 +301,10 @@ class Pipeline:
                 ctx.t_first = time.perf_counter_ns()
                 ctx.replica, ctx.status = name, opened.resp.status
                 current.prefilled()
-                await self.deliver(req, opened, send, extra, ctx)
+                try:
+                    await self.deliver(req, opened, send, extra, ctx)
+                finally:
+                    opened.free()  # the answer is with the client (or never will be)
                 ok = opened.resp.status < 500 and ctx.outcome == "ok"
                 # the replica's own TTFT (sent -> first byte), not the client's: no queue time in it
                 ttft_s = (ctx.t_first - t_sent) / 1e9 if req.stream and ctx.status == 200 else None
@@ -330,7 +345,7 @@ class Pipeline:
             return
         if req.stream:
             tap = StreamTap(strip_usage=not req.include_usage)
-            broke = await relay_stream(opened, send, extra, tap)
+            broke = await relay_stream(opened, send, extra, tap, live=self.gw.live_streams)
             ctx.t_last = time.perf_counter_ns()
             if broke is not None:
                 ctx.outcome, ctx.error_type = "broken_mid_stream", broke.type

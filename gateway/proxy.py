@@ -1,7 +1,10 @@
 """Forward one request to a replica and relay the answer: failover before the first byte, never after.
 
 Streamed events go to the client as they arrive, checked but uncopied; the upstream socket is closed
-at once when the client goes away, so the engine aborts the request. The client is gateway.upstream
+at once when the client goes away, so the engine aborts the request, and when the server's graceful
+shutdown is about to run out (`LiveStreams`: the client gets an error event and a terminated body
+instead of a cut connection). Non-streamed answers held at once are capped (`AnswerBudget`). The
+client is gateway.upstream
 (a lean keep-alive HTTP/1.1 client: aiohttp's cost dominated the gateway's CPU per request).
 """
 
@@ -15,9 +18,15 @@ from typing import Any
 import orjson
 
 from .config import TimeoutsConfig
-from .errors import GatewayError, UpstreamError, UpstreamTimeout, sse_error_event
+from .errors import GatewayError, ServerBusy, UpstreamError, UpstreamTimeout, sse_error_event
 from .streams import StreamTap
-from .upstream import UpstreamBrokenError, UpstreamConnectError, UpstreamPool, UpstreamResponse
+from .upstream import (
+    UpstreamBrokenError,
+    UpstreamConnectError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTooLargeError,
+)
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
@@ -25,6 +34,85 @@ Headers = list[tuple[bytes, bytes]]
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a non-streamed answer larger than this is a broken replica
 _PASS_HEADERS = frozenset({b"content-type", b"x-request-id", b"openai-processing-ms"})
+ANSWER_RETRY_S = 1.0  # Retry-After of the 503 for a full answer budget
+SEND_SLICE = (
+    256 * 1024
+)  # a large whole answer goes to the client in slices, each after the last drained
+SHUTDOWN_MARGIN_S = (
+    1.0  # streams are ended this long (at most a quarter of the grace) before it ends
+)
+
+
+class AnswerBudget:
+    """Bytes of non-streamed answers held right now, all requests together, against one cap
+    (`server.max_answer_bytes_in_flight`, read per request so a reload applies at once).
+
+    An answer with a Content-Length is charged whole before its body is read; a chunked one as its
+    bytes arrive. Past the cap the request gets a 503 and the replica's connection is closed. The
+    bytes stay charged until the answer has been handed to the client (`release`).
+    """
+
+    __slots__ = ("held", "peak")
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.peak = 0  # the most ever held at once (tests, debugging)
+
+    def take(self, n: int, cap: int | None) -> None:
+        if cap is not None and self.held + n > cap:
+            raise ServerBusy(
+                f"The gateway holds its limit of {cap} bytes of answers; retry shortly",
+                code="answer_bytes_in_flight",
+                retry_after=ANSWER_RETRY_S,
+            )
+        self.held += n
+        if self.held > self.peak:
+            self.peak = self.held
+
+    def release(self, n: int) -> None:
+        self.held -= n
+
+
+class LiveStreams:
+    """The upstream responses of the streams being relayed now, so that a shutdown can end them.
+
+    `close_in(s)` (the server's graceful shutdown began, s seconds to run) arranges for every live
+    stream, and any starting later, to be ended at the grace's end less a margin: its upstream
+    connection is closed (the engine aborts) and the client gets the complete events so far, one
+    `server_shutting_down` error event and the end of the body, before the server cancels tasks.
+    """
+
+    __slots__ = ("live", "closing", "_timer")
+
+    def __init__(self) -> None:
+        self.live: set[UpstreamResponse] = set()
+        self.closing = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def close_in(self, grace_s: float) -> None:
+        if self.closing or self._timer is not None:
+            return
+        delay = max(0.0, grace_s - min(SHUTDOWN_MARGIN_S, grace_s / 4))
+        self._timer = asyncio.get_running_loop().call_later(delay, self.close_all)
+
+    def close_all(self) -> None:
+        self._timer = None
+        self.closing = True
+        for resp in list(self.live):
+            resp.abort()  # wakes the relay with UpstreamBrokenError
+
+    def add(self, resp: UpstreamResponse) -> None:
+        self.live.add(resp)
+        if self.closing:
+            resp.abort()
+
+    def discard(self, resp: UpstreamResponse) -> None:
+        self.live.discard(resp)
+
+
+def shutting_down() -> ServerBusy:
+    return ServerBusy("The gateway is shutting down; retry on another instance", code="server_shutting_down",
+                      retry_after=ANSWER_RETRY_S)  # fmt: skip
 
 
 class Retryable(Exception):
@@ -41,6 +129,14 @@ class Opened:
     resp: UpstreamResponse
     first: bytes  # the first body bytes (the whole body when not streaming)
     parsed: dict[str, Any] | None = None  # a non-streamed 200 answer, parsed once (usage)
+    budget: AnswerBudget | None = None  # where the bytes of `first` are charged (non-streamed)
+    charged: int = 0
+
+    def free(self) -> None:
+        """Give the answer's bytes back to the budget (once; again is a no-op)."""
+        if self.budget is not None and self.charged:
+            self.budget.release(self.charged)
+            self.charged = 0
 
     @property
     def status(self) -> int:
@@ -56,13 +152,18 @@ async def open_upstream(
     timeouts: TimeoutsConfig,
     stream: bool,
     total_s: float,
+    answers: AnswerBudget | None = None,
+    answers_cap: int | None = None,
 ) -> Opened:
     """Send the request and wait for its first body bytes (all of them when not streaming).
 
     Raises Retryable for everything that may be retried elsewhere: connect errors, a timeout
-    before the first byte, 502/503/504, or a connection that broke before any byte.
+    before the first byte, 502/503/504, or a connection that broke before any byte; ServerBusy
+    when a whole answer would not fit in `answers` under `answers_cap` (the caller `free()`s
+    the returned answer's charge once it is sent).
     """
     resp: UpstreamResponse | None = None
+    charged = 0
     try:
         resp = await pool.request(
             origin,
@@ -84,13 +185,19 @@ async def open_upstream(
             if not first:
                 raise Retryable("upstream closed before the first byte")
         else:
-            first = await resp.read_all(MAX_RESPONSE_BYTES)
+            if answers is None:
+                first = await resp.read_all(MAX_RESPONSE_BYTES)
+            else:
+                first, charged = await _read_charged(resp, answers, answers_cap)
             if resp.status == 200:
                 parsed = _json_object(first)
                 if parsed is None:
                     raise Retryable("the replica's answer is not a JSON object")
-                return Opened(resp, first, parsed)
+                return Opened(resp, first, parsed, answers, charged)
+            return Opened(resp, first, None, answers, charged)
     except Retryable:
+        if charged and answers is not None:
+            answers.release(charged)
         raise
     except TimeoutError:
         if resp is not None:
@@ -105,8 +212,48 @@ async def open_upstream(
     except BaseException:  # cancelled (client gone): hang up so the engine aborts the request
         if resp is not None:
             resp.abort()
+        if charged and answers is not None:
+            answers.release(charged)
         raise
     return Opened(resp, first)
+
+
+async def _read_charged(
+    resp: UpstreamResponse, answers: AnswerBudget, cap: int | None
+) -> tuple[bytes, int]:
+    """The whole body, its bytes charged to `answers`: (body, bytes charged). On any failure the
+    charge is given back and the connection closed; ServerBusy when it does not fit."""
+    declared = _content_length(resp)
+    charged = 0
+    try:
+        if declared is not None and declared <= MAX_RESPONSE_BYTES:
+            answers.take(declared, cap)  # before reading: no bytes are spent on a refused answer
+            charged = declared
+            return await resp.read_all(MAX_RESPONSE_BYTES), charged
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await resp.read_chunk():
+            size += len(chunk)
+            if size > MAX_RESPONSE_BYTES:
+                raise UpstreamTooLargeError(f"upstream body larger than {MAX_RESPONSE_BYTES} bytes")
+            answers.take(len(chunk), cap)
+            charged += len(chunk)
+            parts.append(chunk)
+        return (parts[0] if len(parts) == 1 else b"".join(parts)), charged
+    except BaseException:
+        resp.abort()
+        answers.release(charged)
+        raise
+
+
+def _content_length(resp: UpstreamResponse) -> int | None:
+    for k, v in resp.headers:
+        if k == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:
@@ -131,6 +278,7 @@ async def relay_stream(
     extra_headers: Headers,
     tap: StreamTap,
     after_first: Callable[[], Awaitable[None]] | None = None,
+    live: LiveStreams | None = None,
 ) -> GatewayError | None:
     """Relay an SSE stream; returns the error that broke it mid-way (already told to the client).
 
@@ -139,7 +287,26 @@ async def relay_stream(
     stream for a finished one (the `openai` SDK raises APIError on the error event itself).
     A failure after `[DONE]` is no failure: the client had the whole stream.
     `after_first` runs once the first chunk is on its way to the client (off the TTFT path).
+    A stream in `live` that a shutdown ends gets the `server_shutting_down` error event.
     """
+    resp = opened.resp
+    if live is not None:
+        live.add(resp)
+    try:
+        return await _relay(opened, send, extra_headers, tap, after_first, live)
+    finally:
+        if live is not None:
+            live.discard(resp)
+
+
+async def _relay(
+    opened: Opened,
+    send: Send,
+    extra_headers: Headers,
+    tap: StreamTap,
+    after_first: Callable[[], Awaitable[None]] | None,
+    live: LiveStreams | None,
+) -> GatewayError | None:
     resp = opened.resp
     await send(
         {
@@ -172,7 +339,10 @@ async def relay_stream(
             broke = UpstreamTimeout("The upstream replica stopped sending mid-stream (timeout)")
     except UpstreamBrokenError as exc:
         if not tap.done:
-            broke = UpstreamError(f"The upstream replica failed mid-stream ({exc})")
+            if live is not None and live.closing:
+                broke = shutting_down()
+            else:
+                broke = UpstreamError(f"The upstream replica failed mid-stream ({exc})")
     else:
         if tap.broken is not None:
             broke = UpstreamError(f"The upstream replica sent {tap.broken}")
@@ -200,7 +370,16 @@ async def send_whole(
         headers.append((b"content-type", b"application/json"))
     headers.append((b"content-length", str(len(payload)).encode()))
     await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload, "more_body": False})
+    # a large answer goes in slices: each send waits until the client has drained the last, so a
+    # slow reader holds the answer here (charged) instead of a copy in the transport's buffer
+    n = len(payload)
+    start = 0
+    while n - start > SEND_SLICE:
+        end = start + SEND_SLICE
+        await send({"type": "http.response.body", "body": payload[start:end], "more_body": True})
+        start = end
+    await send({"type": "http.response.body", "body": payload[start:] if start else payload,
+                "more_body": False})  # fmt: skip
 
 
 def with_stream_usage(raw: bytes, body: dict[str, Any]) -> bytes:

@@ -27,6 +27,7 @@ from .admission import Admission, shed_all
 from .config import Config, PoolConfig, ReplicaConfig
 from .discovery import DiscoveryConfig, DiscoveryError
 from .kv_events import KvEvents, check_parity
+from .proxy import AnswerBudget, LiveStreams
 from .ratelimit import RateLimiter, open_rate_limiter
 from .replicas import ReplicaMonitor, ReplicaState
 from .router import Router
@@ -112,6 +113,8 @@ class Gateway:
         self._discovery: dict[str, tuple[Any, asyncio.Task[None]]] = {}  # pool -> (config, watcher)
         self._retiring: set[asyncio.Task[Any]] = set()
         self._parity_task: asyncio.Task[None] | None = None
+        self.answers = AnswerBudget()  # answer bytes held: server.max_answer_bytes_in_flight
+        self.live_streams = LiveStreams()  # streams a graceful shutdown ends before it runs out
 
     # --- building ------------------------------------------------------------------------------
     def _build_pools(

@@ -1,6 +1,7 @@
 """Chaos under load: a simulated fleet behind the gateway while replicas die, stall, 500, send
-garbage, Redis goes away and a 10x burst arrives. The short plan of `bench/chaos.py` (~30 s);
-`python -m bench.chaos` runs the long one.
+garbage, Redis goes away and a 10x burst arrives, then the hostile phases (rogue SSE framing,
+salt floods, huge max_tokens, slow bodies). The short plan of `bench/chaos.py` (~35 s, what
+`python -m bench.chaos` runs); `python -m bench.chaos --long` runs the long one.
 
 Then the defects the run exposes, each pinned by a focused test (xfail strict until fixed).
 """

@@ -8,6 +8,10 @@ the request asks for one: crlf (events end in CRLF CRLF), bare_cr (CR CR), split
 into pieces sent apart), garbage_utf8 / garbage_json (a non-UTF-8 / non-JSON event after two good
 ones, then the rest), die_mid_event / stall_mid_event (half an event, then abort / hang),
 echo_request_id (an ordinary answer that echoes the request's x-request-id header, as vLLM does).
+
+drip: a stream of `chunks` events `chunk_delay_s` apart that notices the gateway hanging up
+(counted in `cancelled`). big: a non-streamed answer whose content is `chunks` bytes, sent (with a
+Content-Length) in two halves `chunk_delay_s` apart.
 """
 
 from __future__ import annotations
@@ -116,6 +120,12 @@ class Upstream:
         if self.mode in FRAMING_MODES:
             await self._framed(req, kind, receive, send)
             return
+        if self.mode == "drip":
+            await self._drip(req, receive, send)
+            return
+        if self.mode == "big":
+            await self._big(req, send)
+            return
         if not req.get("stream"):
             text = " ".join(f"w{i}" for i in range(self.chunks))
             choice: dict[str, Any] = (
@@ -192,6 +202,48 @@ class Upstream:
             # raising after the response started makes uvicorn drop the connection without the
             # chunked terminator: the client sees a body that ends early
             raise RuntimeError("die mid-stream") from None
+
+    async def _drip(self, req: dict[str, Any], receive: Any, send: Any) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        for i in range(self.chunks):
+            data = b"data: " + orjson.dumps(_chunk(req, "chat", i)) + b"\n\n"
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+            try:
+                msg = await asyncio.wait_for(receive(), self.chunk_delay_s)
+            except TimeoutError:
+                continue
+            if msg["type"] == "http.disconnect":
+                self.cancelled += 1
+                return
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        self.completed += 1
+
+    async def _big(self, req: dict[str, Any], send: Any) -> None:
+        head = b'{"id":"cmpl-big","object":"chat.completion","model":"' + req["model"].encode()
+        head += b'","choices":[{"index":0,"message":{"role":"assistant","content":"'
+        tail = b'"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1}}'
+        body = head + b"x" * self.chunks + tail
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        half = len(body) // 2
+        await send({"type": "http.response.body", "body": body[:half], "more_body": True})
+        await asyncio.sleep(self.chunk_delay_s)
+        await send({"type": "http.response.body", "body": body[half:], "more_body": False})
+        self.completed += 1
 
     async def _framed(self, req: dict[str, Any], kind: str, receive: Any, send: Any) -> None:
         mode = self.mode
