@@ -28,10 +28,12 @@ import random
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -39,7 +41,8 @@ import orjson
 import uvicorn
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway import create_app, parse_config
+from gateway import create_app
+from gateway.config import load_config
 from gateway.tracing import Tracing
 from simulator.fleet import Fleet
 from simulator.workloads import text
@@ -47,10 +50,17 @@ from simulator.workloads import text
 MODEL = "qwen2.5-14b"
 # outcomes that are a defect of the gateway: the client got neither an answer nor a clear error
 DEFECTS = ("hung", "truncated_stream", "bad_sse_event", "invalid_json", "malformed_error",
-           "connection_error", "admitted_past_limit", "health_unanswered")  # fmt: skip
+           "connection_error", "admitted_past_limit", "health_unanswered",
+           "check_failed")  # fmt: skip
 ROGUE_MODEL = "rogue-model"
 ROGUE_MODES = ("crlf", "garbage_utf8", "garbage_json", "die_mid_event")
 TINY = ("tiny", "sk-chaos-tiny-3c91", 3000)  # name, key, tokens_per_minute
+ADMIN_KEY = "sk-chaos-admin-0d6e"
+# secrets that /admin/config must never show: the private Redis's password (it really requires
+# it) and the password in the userinfo of a replica URL (the dead one of the flap pool)
+REDIS_PASSWORD = "chaos-redis-pw-5b1f9e"
+REPLICA_PASSWORD = "chaos-replica-pw-77c2"
+FLAP_MODEL = "flap-model"
 
 
 def free_port() -> int:
@@ -65,9 +75,11 @@ def free_port() -> int:
 class PrivateRedis:
     """A throwaway `redis-server` on its own port (no persistence); stop() kills it like a crash."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, password: str | None = None) -> None:
         self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self._proc: asyncio.subprocess.Process | None = None
 
     @staticmethod
@@ -81,6 +93,7 @@ class PrivateRedis:
         self._proc = await asyncio.create_subprocess_exec(
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning",
+            *(("--requirepass", self.password) if self.password else ()),
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
@@ -90,8 +103,10 @@ class PrivateRedis:
                 raise RuntimeError(f"redis-server exited on port {self.port}")
             with contextlib.suppress(OSError):
                 r, w = await asyncio.open_connection("127.0.0.1", self.port)
-                w.write(b"PING\r\n")
-                ok = (await r.read(7)).startswith(b"+PONG")
+                w.write(self._auth() + b"PING\r\n")
+                if self.password:
+                    await r.readline()  # +OK (or -WRONGPASS: then no +PONG below)
+                ok = (await r.readline()).startswith(b"+PONG")
                 w.close()
                 if ok:
                     return
@@ -102,7 +117,9 @@ class PrivateRedis:
         """DBSIZE and used_memory, over a raw connection (RESP)."""
         r, w = await asyncio.open_connection("127.0.0.1", self.port)
         try:
-            w.write(b"DBSIZE\r\nINFO memory\r\n")
+            w.write(self._auth() + b"DBSIZE\r\nINFO memory\r\n")
+            if self.password:
+                await r.readline()
             keys = int((await r.readline())[1:])
             size = int((await r.readline())[1:])
             text = (await r.readexactly(size + 2)).decode()
@@ -111,6 +128,9 @@ class PrivateRedis:
         mem = next(int(ln.split(":")[1]) for ln in text.splitlines()
                    if ln.startswith("used_memory:"))  # fmt: skip
         return {"redis_keys": float(keys), "redis_used_memory": float(mem)}
+
+    def _auth(self) -> bytes:
+        return f"AUTH {self.password}\r\n".encode() if self.password else b""
 
     async def stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -248,6 +268,8 @@ class Plan:
     huge_max_tokens: int = 20  # requests of the small-bucket tenant
     slow_bodies: int = 40  # connections trickling a body (half keyless, half keyed)
     body_timeout_s: float = 2.0
+    reload_requests: int = 20  # requests around the rejected reload (all must succeed)
+    flap_s: float = 2.0  # how long the dead replica's metric and /ready are sampled
 
     @property
     def faults_end_s(self) -> float:
@@ -273,9 +295,10 @@ TENANTS = [  # name, key, class, may also use, weight, share of traffic
 
 
 def gateway_config(plan: Plan, urls: list[str], redis_url: str,
-                   rogue_url: str | None = None) -> dict[str, Any]:
+                   rogue_url: str | None = None, dead_url: str | None = None) -> dict[str, Any]:
     cfg = {
-        "server": {"expose_upstream_errors": False, "body_timeout_s": plan.body_timeout_s},
+        "server": {"expose_upstream_errors": False, "body_timeout_s": plan.body_timeout_s,
+                   "admin_key": ADMIN_KEY},
         "pools": {
             "chat": {
                 "replicas": [{"url": u, "name": f"r{i}"} for i, u in enumerate(urls)],
@@ -311,6 +334,22 @@ def gateway_config(plan: Plan, urls: list[str], redis_url: str,
             "scrape": {"enabled": False},
         }  # fmt: skip
         cfg["routes"] = [{"match": {"model": ROGUE_MODEL}, "pool": "rogue"}, {"pool": "chat"}]
+        if dead_url is not None:
+            # a dead replica that flaps: nothing listens at its URL (which carries user:pass),
+            # its circuit opens, goes half-open every open_s and fails its trial; retries 0, so
+            # a client request sent to it on trial would fail. The live one is the rogue replica
+            # in its plain mode (a good stream)
+            cfg["pools"]["flap"] = {  # type: ignore[index]
+                "replicas": [{"url": rogue_url, "name": "flap-live", "models": [FLAP_MODEL]},
+                             {"url": dead_url, "name": "flap-dead", "models": [FLAP_MODEL]}],
+                "policy": "round_robin", "retries": 0,
+                "health": {"interval_s": 0.1, "timeout_s": 0.3, "failures_to_open": 1,
+                           "open_s": 0.2},
+                "timeouts": {"connect_s": 0.3, "first_byte_s": 2.0, "idle_s": 1.5,
+                             "total_s": 4.0},
+                "scrape": {"enabled": False},
+            }
+            cfg["routes"].insert(1, {"match": {"model": FLAP_MODEL}, "pool": "flap"})
     return cfg
 
 
@@ -479,6 +518,8 @@ class Chaos:
         self.rogue = RogueReplica()
         self.index_before: dict[str, float] = {}
         self.index_after: dict[str, float] = {}
+        self.cfg: dict[str, Any] | None = None
+        self.config_path: Path | None = None
         self._n = 0
         prompts = [
             text(f"chaos-sys-{plan.seed}-{g}", plan.system_tokens) for g in range(plan.groups)
@@ -706,6 +747,154 @@ class Chaos:
         self.note(f"{plan.slow_bodies} slow bodies (half keyless) while /health is probed")
         slow = [self.slow_body(keyed=k % 2 == 1) for k in range(plan.slow_bodies)]
         await asyncio.gather(*slow, self.probe_health(plan.body_timeout_s + 1.0))
+        if self.config_path is not None:
+            await self.reload_phase()
+            await self.flap_phase()
+            await self.secrets_phase()
+
+    # admin checks: one Result each, ok or check_failed (a defect: the run fails) ---------------
+    def check(self, tag: str, ok: bool, what: str, t: float | None = None) -> bool:
+        i, self._n = self._n, self._n + 1
+        t0 = self.now() if t is None else t
+        res = Result(i, t0, self.now(), "admin", False, "-", "", False, "", tag=tag)
+        if not ok:
+            res.outcome, res.error = "check_failed", what
+            self.log(f"chaos: {tag}: CHECK FAILED: {what}")
+        self.results.append(res)
+        return ok
+
+    async def admin(self, method: str, path: str) -> tuple[int, bytes]:
+        assert self.http is not None
+        headers = {"authorization": f"Bearer {ADMIN_KEY}"}
+        async with asyncio.timeout(10.0):
+            async with self.http.request(method, self.url + path, headers=headers) as resp:
+                return resp.status, await resp.read()
+
+    async def max_inflight(self, pool: str = "chat") -> set[int]:
+        _, raw = await self.admin("GET", "/admin/status")
+        pools = {p["name"]: p for p in orjson.loads(raw)["pools"]}
+        return {r["max_inflight"] for r in pools[pool]["replicas"]}
+
+    def chat(self, tag: str, n: int, model: str = MODEL, stream: bool = False) -> list[Awaitable[None]]:
+        acme = TENANTS[0]
+        return [self.custom(tag, {"model": model, "max_tokens": 8, "stream": stream,
+                                  "user": "rogue:plain",
+                                  "messages": [{"role": "user", "content": f"{tag} {k}"}]},
+                            acme[1], acme[0])
+                for k in range(n)]  # fmt: skip
+
+    def write_config(self, cfg: dict[str, Any]) -> None:
+        assert self.config_path is not None
+        self.config_path.write_bytes(orjson.dumps(cfg, option=orjson.OPT_INDENT_2))
+
+    async def reload_phase(self) -> None:
+        """A reload that validates but fails while applied (tokens chunking, and a tokenizer
+        path to a file that exists but is not a tokenizer): 422 with an OpenAI-shaped error,
+        `last_error` in /admin/config, the running config unchanged, requests still served;
+        then a valid reload applies."""
+        assert self.config_path is not None and self.cfg is not None
+        tag, base = "reload rejected", self.plan.max_inflight
+        before = await self.max_inflight()
+        not_tok = self.config_path.parent / "not-a-tokenizer.json"
+        not_tok.write_text('{"this file": "is not a tokenizer"}\n')
+        bad = orjson.loads(orjson.dumps(self.cfg))
+        bad["pools"]["chat"]["max_inflight_per_replica"] = base + 1
+        bad["index"]["chunking"] = {"mode": "tokens", "tokenizer": str(not_tok)}
+        self.write_config(bad)
+        self.note("reload: a config that validates but cannot be applied (tokenizer file is not one)")
+        t = self.now()
+        calls = self.chat(tag, self.plan.reload_requests)
+        half = len(calls) // 2
+        reload_call = self.admin("POST", "/admin/reload")
+        *_, (status, raw) = await asyncio.gather(*calls[:half], reload_call)
+        try:
+            err = orjson.loads(raw).get("error")
+        except orjson.JSONDecodeError:
+            err = None
+        shaped = (isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"]
+                  and isinstance(err.get("type"), str) and "code" in err and "param" in err)
+        self.check(tag, status == 422 and bool(shaped),
+                   f"POST /admin/reload answered {status} {raw[:200]!r} (want 422, OpenAI error)", t)
+        _, raw = await self.admin("GET", "/admin/config")
+        version = orjson.loads(raw).get("version", {})
+        self.check(tag, bool(version.get("last_error")),
+                   f"/admin/config version has no last_error after the rejected reload: {version}")
+        after = await self.max_inflight()
+        self.check(tag, after == before == {base},
+                   f"max_inflight per replica {before} before, {after} after a rejected reload")
+        await asyncio.gather(*calls[half:])
+        tag = "reload applied"
+        good = orjson.loads(orjson.dumps(self.cfg))
+        good["pools"]["chat"]["max_inflight_per_replica"] = base + 1
+        self.write_config(good)
+        self.note(f"reload: a valid config (max_inflight_per_replica {base} -> {base + 1})")
+        t = self.now()
+        status, raw = await self.admin("POST", "/admin/reload")
+        applied = status == 200 and orjson.loads(raw).get("applied") is True
+        self.check(tag, applied, f"POST /admin/reload of a valid config: {status} {raw[:200]!r}", t)
+        _, raw = await self.admin("GET", "/admin/config")
+        version = orjson.loads(raw).get("version", {})
+        self.check(tag, version.get("last_error") is None,
+                   f"last_error still set after a valid reload: {version.get('last_error')!r}")
+        now_inflight = await self.max_inflight()
+        self.check(tag, now_inflight == {base + 1},
+                   f"max_inflight per replica {now_inflight} after the valid reload (want {base + 1})")
+        await self.batches(self.chat(tag, self.plan.reload_requests // 2))
+
+    async def flap_phase(self) -> None:
+        """The dead replica of pool `flap` (nothing listens) flaps open / half-open: sampled
+        from /metrics and /ready it reads 0 and is not counted, and no client request of the
+        pool (retries 0) fails because of its trials."""
+        assert self.http is not None
+        tag = "flap dead replica"
+        self.note(f"flap: sampling the dead replica for {self.plan.flap_s:g} s under requests")
+        end = self.now() + self.plan.flap_s
+        states: Counter[str] = Counter()
+
+        async def sample() -> None:
+            assert self.http is not None
+            while self.now() < end:
+                t = self.now()
+                async with self.http.get(self.url + "/metrics") as resp:
+                    lines = (await resp.text()).splitlines()
+                up = [ln for ln in lines if ln.startswith("gateway_replica_up{")
+                      and 'pool="flap"' in ln and 'replica="flap-dead"' in ln]  # fmt: skip
+                for ln in lines:
+                    if (ln.startswith("gateway_replica_circuit_state{") and 'replica="flap-dead"'
+                            in ln and ln.endswith(" 1.0")):
+                        states[ln.split('state="', 1)[1].split('"', 1)[0]] += 1
+                value = float(up[0].rsplit(" ", 1)[1]) if len(up) == 1 else None
+                async with self.http.get(self.url + "/ready") as resp:
+                    ready = orjson.loads(await resp.read())
+                counted = ready.get("available_replicas", {}).get("flap")
+                self.check(tag, value == 0.0 and counted == 1,
+                           f"dead replica: gateway_replica_up {value}, /ready counts {counted} "
+                           "of pool flap (want 0 and 1, the live one)", t)
+                await asyncio.sleep(0.05)
+
+        async def load() -> None:
+            pending = []
+            while self.now() < end:
+                pending += self.chat(tag, 1, model=FLAP_MODEL, stream=True)
+                pending[-1] = asyncio.ensure_future(pending[-1])
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*pending)
+
+        await asyncio.gather(sample(), load())
+        self.note(f"flap: dead replica circuit states seen {dict(states)}")
+        self.check(tag, states.get("half_open", 0) + states.get("open", 0) > 0,
+                   f"the dead replica's circuit never read open or half-open: {dict(states)}")
+
+    async def secrets_phase(self) -> None:
+        tag = "secrets /admin/config"
+        t = self.now()
+        status, raw = await self.admin("GET", "/admin/config")
+        text = raw.decode("utf-8", "replace")
+        leaked = [s for s in (REDIS_PASSWORD, REPLICA_PASSWORD) if s in text]
+        self.check(tag, status == 200 and not leaked,
+                   f"/admin/config ({status}) shows the password(s) {leaked}", t)
+        self.check(tag, "***" in text, "/admin/config shows no masked URL (were the secrets set?)")
+        self.note("secrets: /admin/config checked for the Redis and replica URL passwords")
 
     async def slow_body(self, keyed: bool) -> None:
         i, self._n = self._n, self._n + 1
@@ -776,8 +965,9 @@ class Chaos:
     # putting it together --------------------------------------------------------------------------
     async def run(self) -> Report:
         plan = self.plan
-        self.redis = PrivateRedis()
+        self.redis = PrivateRedis(password=REDIS_PASSWORD if plan.hostile else None)
         await self.redis.start()
+        tmp = tempfile.TemporaryDirectory(prefix="chaos-")
         try:
             async with Fleet(n=plan.replicas, model=MODEL, speedup=plan.speedup,
                              seed=plan.seed) as fleet:  # fmt: skip
@@ -785,11 +975,18 @@ class Chaos:
                 rogue = LoopbackServer(self.rogue) if plan.hostile else None
                 if rogue is not None:
                     await rogue.start()
+                dead = f"http://chaos:{REPLICA_PASSWORD}@127.0.0.1:{free_port()}"
                 cfg = gateway_config(plan, fleet.urls, self.redis.url,
-                                     rogue.url if rogue is not None else None)
+                                     rogue.url if rogue is not None else None,
+                                     dead if rogue is not None else None)  # fmt: skip
                 self.deadline_s = client_deadline_s(cfg)
                 tracing = Tracing(None, exporter=self.exporter, environ={})
-                server = LoopbackServer(create_app(parse_config(cfg), tracing=tracing))
+                # served from a config file, so POST /admin/reload (the reload phase) works
+                self.cfg, self.config_path = cfg, Path(tmp.name) / "chaos.yaml"
+                self.write_config(cfg)
+                app = create_app(load_config(self.config_path), tracing=tracing,
+                                 config_path=str(self.config_path))
+                server = LoopbackServer(app)
                 await server.start()
                 self.url = server.url
                 # idle client connections go before the gateway's own 5 s keep-alive timeout
@@ -807,6 +1004,7 @@ class Chaos:
                         await rogue.stop()
         finally:
             await self.redis.stop()
+            tmp.cleanup()
         return self.report()
 
     async def _drive(self) -> None:
@@ -935,7 +1133,12 @@ class Report:
             if blocks is None or blocks > self.plan.index_max_blocks:
                 out.append(f"the index holds {blocks} blocks after the cache_salt flood "
                            f"(index.max_blocks {self.plan.index_max_blocks})")  # fmt: skip
-            for tag, want in (("sse crlf", "ok"), ("huge max_tokens", "shed")):
+            for r in self.results:
+                if r.outcome == "check_failed":
+                    out.append(f"{r.tag}: {r.error}")
+            for tag, want in (("sse crlf", "ok"), ("huge max_tokens", "shed"),
+                              ("reload rejected", "ok"), ("reload applied", "ok"),
+                              ("flap dead replica", "ok")):
                 bad = [r for r in self.results if r.tag == tag and r.outcome != want]
                 if bad:
                     out.append(f"{tag}: {len(bad)} not {want}: "

@@ -610,8 +610,9 @@ class UpstreamPool:
         key = (parts.scheme, parts.hostname, port)
         o = self._by_key.get(key)
         if o is None:
-            netloc = parts.netloc.rpartition("@")[2]
-            o = _Origin(origin, parts.hostname, port, tls, netloc.encode("idna"))
+            netloc = parts.netloc.rpartition("@")[2]  # no userinfo in names, errors or Host
+            name = f"{parts.scheme}://{netloc}"
+            o = _Origin(name, parts.hostname, port, tls, netloc.encode("idna"))
             self._by_key[key] = o
         self._origins[origin] = o
         return o

@@ -6,9 +6,12 @@ import asyncio
 import time
 
 import httpx
+import pytest
 
+from gateway import create_app, parse_config
 from tests.gateway.conftest import rig
 from tests.gateway.upstream import Upstream
+from tests.support import free_port, start_server
 
 BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -51,3 +54,21 @@ async def test_a_failed_trial_of_a_half_open_replica_is_retried_elsewhere() -> N
         assert dead.circuit.failures > 1  # it did get trial requests
         # the first request, before the circuit ever opened, is the only one that may fail
         assert statuses[1:] == [200] * 39, statuses
+
+
+async def test_a_replica_url_password_reaches_no_client_and_no_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A replica URL with user:pass@ that cannot be reached: the 502 text and the log lines
+    name the replica without its password."""
+    dead = f"http://chaos:secret-pw-123@127.0.0.1:{free_port()}"
+    cfg = {"pools": {"chat": {"replicas": [{"url": dead, "name": "d"}], "retries": 0}}}
+    gw = await start_server(create_app(parse_config(cfg)), lifespan="on")
+    try:
+        async with httpx.AsyncClient(timeout=10) as h:
+            res = await h.post(gw.url + "/v1/chat/completions", json=BODY)
+        assert res.status_code in (502, 503, 504)
+        assert "secret-pw-123" not in res.text
+        assert "secret-pw-123" not in caplog.text
+    finally:
+        await gw.stop()
