@@ -2,15 +2,22 @@
 
 The gateway runs in its own process (same uvicorn settings as `gateway serve`) so its /proc can be
 read; `bench.zero_upstream` plays the replicas. The load is a closed loop of keep-alive raw-socket
-clients sending a mix of chat and completions, streamed and not, with a few bad requests, unknown
-keys and clients that hang up mid-stream. RSS and open fds are sampled as it goes; at idle, before
-and after, the fds and the gateway's asyncio tasks are counted.
+clients sending a mix of chat and completions, streamed and not, with a share of faults (see
+`FAULTS`): from the client, bad JSON, unknown keys, hang-ups mid-stream, a unique `cache_salt` (a new
+index scope each) and a `max_tokens` deeper than the tenant's token bucket (429); from the replica
+(`"user": "fault:NAME"`, read by `bench.zero_upstream`), a stream framed with CRLF, a non-UTF-8
+event, a non-JSON event and a replica dying mid-event. Every answer is classified (status, and how
+a stream ended: `[DONE]` or an error event) and checked against what its kind should get; a stream
+that is not complete UTF-8 SSE events ending in `[DONE]` or an error event counts as malformed.
+RSS and open fds are sampled as it goes; at idle, before and after, the fds and the gateway's
+asyncio tasks are counted; at the end the prefix index must be within `index.max_blocks`.
 
     python -m bench.soak                       # 100k requests (about 2 minutes here)
     python -m bench.soak --requests 5000       # the size tests/chaos runs
 
 Goal: RSS after the warm-up grows by at most 10%; fds and tasks at idle return to their count
-after the warm-up. Exit status 1 otherwise.
+after the warm-up; no malformed or unexpected answer; the index within its bound. Exit status 1
+otherwise.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,7 +44,13 @@ import yaml
 
 TASKS_PATH = "/__soak/tasks"
 KEYS = ("sk-soak-tenant-one-1f2e3d", "sk-soak-tenant-two-4c5b6a")
+SMALL_KEY = "sk-soak-tenant-small-9a8b7c"  # a tenant whose token bucket no huge max_tokens fits
+SMALL_TOKENS_PER_MINUTE = 20_000
 MODEL = "bench-model"
+INDEX_MAX_BLOCKS = 2_000  # all scopes and replicas together; a scope counts 8
+INDEX_BYTES_PER_BLOCK = (
+    200  # the memory index's own bound (tests/prefix_index/test_index_bounds.py)
+)
 
 
 # --- the gateway side: `python -m bench.soak serve` ----------------------------------------------
@@ -132,11 +146,80 @@ def _post(path: bytes, body: bytes, key: str | None) -> bytes:
     )  # fmt: skip
 
 
+def _chat(key: str, **extra: Any) -> bytes:
+    msgs = [{"role": "system", "content": _system(3)}, {"role": "user", "content": "fault?"}]
+    return _post(b"/v1/chat/completions", orjson.dumps({"model": MODEL, "messages": msgs, **extra}),
+                 key)  # fmt: skip
+
+
 SPECIAL = {
     "bad_json": _post(b"/v1/chat/completions", b'{"model": "x", "messages": [', KEYS[0]),
     "unknown_key": _post(b"/v1/chat/completions", b'{"model":"x","messages":[]}', "sk-not-a-key"),
     "abort_mid_stream": b"",  # a stream request whose client hangs up at the first chunk
+    "over_tokens": _chat(SMALL_KEY, max_tokens=10_000_000),
+    **{f"fault_{n}": _chat(KEYS[1], stream=True, user=f"fault:{n}")
+       for n in ("crlf", "badutf8", "nonjson", "die")},
+    "unique_salt": b"",  # built per request: a cache_salt no other request has
+}  # fmt: skip
+
+# i % 50 -> the fault that request carries (others: the ordinary mix)
+FAULTS = {3: "bad_json", 17: "unknown_key", 29: "abort_mid_stream", 7: "fault_crlf",
+          11: "fault_badutf8", 23: "fault_nonjson", 37: "fault_die", 41: "unique_salt",
+          45: "over_tokens"}  # fmt: skip
+
+# what each kind must get: (statuses, how a 200 stream ends: "done", "error_event" or None: json)
+EXPECT: dict[str, tuple[frozenset[int], str | None]] = {
+    "json": (frozenset({200}), None),
+    "stream": (frozenset({200}), "done"),
+    "bad_json": (frozenset({400, 422}), None),
+    "unknown_key": (frozenset({401}), None),
+    "over_tokens": (frozenset({429}), None),
+    "unique_salt": (frozenset({200}), None),
+    "fault_crlf": (frozenset({200}), "done"),
+    # broken mid-stream: the client gets the good events, then the gateway's error event
+    "fault_badutf8": (frozenset({200}), "error_event"),
+    "fault_nonjson": (frozenset({200}), "error_event"),
+    "fault_die": (frozenset({200}), "error_event"),
 }
+_LINE_END = re.compile(r"\r\n|\r|\n")
+_EVENT_END = re.compile(r"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
+
+
+def sse_ending(body: bytes) -> str | None:
+    """How a streamed body ends: "done" (`[DONE]` last), "error_event" (an `{"error": ...}` event
+    last), or None when malformed: not UTF-8, an unfinished event, an event whose data is neither
+    a JSON object nor `[DONE]`, anything after `[DONE]` or the error event, or neither at the end."""
+    try:
+        text = body.decode()
+    except UnicodeDecodeError:
+        return None
+    pos, ending = 0, None
+    for m in _EVENT_END.finditer(text):
+        block, pos = text[pos : m.start()], m.end()
+        data = [ln[5:].removeprefix(" ") for ln in _LINE_END.split(block) if ln.startswith("data:")]
+        if not data:
+            continue  # a comment or extra blank line
+        if ending is not None:
+            return None  # an event after the stream's end
+        joined = "\n".join(data)
+        if joined == "[DONE]":
+            ending = "done"
+            continue
+        try:
+            obj = orjson.loads(joined)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if "error" in obj:
+            if not isinstance(obj["error"], dict) or not isinstance(
+                obj["error"].get("message"), str
+            ):
+                return None
+            ending = "error_event"
+    if text[pos:].strip("\r\n"):
+        return None  # an unfinished event
+    return ending
 
 
 class _Conn(asyncio.Protocol):
@@ -207,7 +290,10 @@ class SoakResult:
     warm: Sample | None = None
     end: Sample | None = None
     statuses: Counter[str] = field(default_factory=Counter)
-    bad_answers: int = 0
+    bad_answers: int = 0  # malformed: see sse_ending; or a non-200 without an OpenAI error body
+    unexpected: Counter[str] = field(default_factory=Counter)  # well-formed, not what EXPECT says
+    endings: Counter[str] = field(default_factory=Counter)  # "kind: done / error_event"
+    index: dict[str, float] = field(default_factory=dict)  # /metrics at the end (idle)
     task_names: tuple[dict[str, int], dict[str, int]] = ({}, {})
 
     @property
@@ -235,6 +321,20 @@ class SoakResult:
                            f"{self.end.timers} at the end")  # fmt: skip
         if self.bad_answers:
             out.append(f"{self.bad_answers} answers neither complete nor a clear error")
+        if self.unexpected:
+            out.append(f"answers other than their kind should get: {dict(self.unexpected)}")
+        ix = self.index
+        if not ix:
+            out.append("no gateway_index_* figures in /metrics")
+        else:
+            load = ix["blocks"] + 8 * ix["scopes"]
+            if load > INDEX_MAX_BLOCKS:
+                out.append(
+                    f"index holds {load:.0f} blocks+8*scopes > max_blocks {INDEX_MAX_BLOCKS}"
+                )
+            if ix["bytes"] > INDEX_MAX_BLOCKS * INDEX_BYTES_PER_BLOCK:
+                out.append(f"index takes {ix['bytes']:.0f} B > "
+                           f"{INDEX_MAX_BLOCKS} x {INDEX_BYTES_PER_BLOCK} B")  # fmt: skip
         return out
 
     def table(self) -> str:
@@ -265,6 +365,15 @@ class SoakResult:
         )
         lines.append("answers: " + ", ".join(f"{k}: {v}" for k, v in sorted(self.statuses.items()))
                      + f"; malformed: {self.bad_answers}")  # fmt: skip
+        lines.append("stream ends: " + ", ".join(f"{k}: {v}" for k, v in sorted(self.endings.items()))
+                     + f"; unexpected: {sum(self.unexpected.values())}")  # fmt: skip
+        ix = self.index
+        if ix:
+            lines.append(
+                f"index at the end: {ix['blocks']:.0f} blocks, {ix['scopes']:.0f} scopes, "
+                f"{ix['bytes'] / 1024:.0f} KiB, {ix['evicted']:.0f} bound-evicted "
+                f"(max_blocks {INDEX_MAX_BLOCKS}; {self.statuses['unique_salt 200']} unique salts)"
+            )
         return "\n".join(lines)
 
 
@@ -299,10 +408,13 @@ class Soak:
                 "health": {"interval_s": 0.5}, "scrape": {"interval_s": 0.5},
             }},
             # small enough that the index fills during the warm-up and evicts from then on
-            "index": {"capacity_blocks": 4000},
+            # max_blocks: the unique cache salts make new scopes all along; the bound holds them
+            "index": {"capacity_blocks": 4000, "max_blocks": INDEX_MAX_BLOCKS},
             "tenants": [{"name": f"t{i}", "api_keys": [k],
                          "limits": {"requests_per_second": 1e6, "tokens_per_minute": 1e15}}
-                        for i, k in enumerate(KEYS)],
+                        for i, k in enumerate(KEYS)]
+                       + [{"name": "small", "api_keys": [SMALL_KEY],
+                           "limits": {"tokens_per_minute": SMALL_TOKENS_PER_MINUTE}}],
         }  # fmt: skip
         path = self.workdir / "soak.yaml"
         path.write_text(yaml.safe_dump(cfg))
@@ -351,6 +463,31 @@ class Soak:
         data = orjson.loads(body)
         return int(data["tasks"]), dict(data["names"]), data["timers"]
 
+    async def index_metrics(self) -> dict[str, float]:
+        conn = await self.connect()
+        try:
+            status, body = await conn.request(b"GET /metrics HTTP/1.1\r\nhost: gw\r\n\r\n")
+        finally:
+            assert conn.transport is not None
+            conn.transport.close()
+        if status != 200:
+            return {}
+        names = {
+            "gateway_index_bytes": "bytes",
+            "gateway_index_scopes": "scopes",
+            "gateway_index_blocks": "blocks",
+            "gateway_index_bound_evicted_blocks": "evicted",
+        }
+        out = dict.fromkeys(names.values(), 0.0)
+        seen = False
+        for line in body.decode().splitlines():
+            if line.startswith("gateway_index_"):
+                name = line.split("{")[0].split(" ")[0].removesuffix("_total")
+                if name in names:
+                    out[names[name]] += float(line.rsplit(" ", 1)[1])
+                    seen = True
+        return out if seen else {}
+
     async def idle_sample(self, done: int) -> tuple[Sample, dict[str, int]]:
         """Let in-flight work and closed connections settle, then count (the same way twice)."""
         await asyncio.sleep(1.5)
@@ -385,16 +522,16 @@ class Soak:
             while self.next < until:
                 i = self.next
                 self.next += 1
-                special = i % 50
-                if special == 3:
-                    kind, data, abort = "bad_json", SPECIAL["bad_json"], False
-                elif special == 17:
-                    kind, data, abort = "unknown_key", SPECIAL["unknown_key"], False
-                elif special == 29:
-                    kind, data, abort = "abort_mid_stream", self.mix[1][1], True
-                else:
+                abort = False
+                special = FAULTS.get(i % 50)
+                if special is None:
                     kind, data, _ = self.mix[i % len(self.mix)]
-                    abort = False
+                elif special == "abort_mid_stream":
+                    kind, data, abort = special, self.mix[1][1], True
+                elif special == "unique_salt":
+                    kind, data = special, _chat(KEYS[i % 2], cache_salt=f"soak-salt-{i}")
+                else:
+                    kind, data = special, SPECIAL[special]
                 if conn.closed:
                     conn = await self.connect()
                 try:
@@ -405,8 +542,11 @@ class Soak:
                     conn = await self.connect()
                     continue
                 self.result.statuses[f"{kind} {status}"] += 1
-                if not self.judge(kind, status, body):
+                verdict = self.judge(kind, status, body)
+                if verdict is None:
                     self.result.bad_answers += 1
+                elif verdict:
+                    self.result.unexpected[f"{kind} {status} {verdict}"] += 1
                 if abort:
                     conn = await self.connect()
                 if i % max(1, self.requests // 100) == 0:
@@ -415,21 +555,28 @@ class Soak:
             if conn.transport is not None:
                 conn.transport.close()
 
-    @staticmethod
-    def judge(kind: str, status: int, body: bytes) -> bool:
+    def judge(self, kind: str, status: int, body: bytes) -> str | None:
+        """None: malformed; "": as expected; else what came instead (well-formed, unexpected)."""
         if kind == "abort_mid_stream":
-            return status in (200, 499)
+            return "" if status in (200, 499) else "status"
+        statuses, ending = EXPECT[kind]
         if status != 200:
             try:
-                return isinstance(orjson.loads(body)["error"]["message"], str)
+                ok = isinstance(orjson.loads(body)["error"]["message"], str)
             except (orjson.JSONDecodeError, KeyError, TypeError):
-                return False
-        if kind == "stream":
-            return body.endswith(b"data: [DONE]\n\n")
+                ok = False
+            return None if not ok else ("" if status in statuses else "error")
+        if kind == "stream" or kind.startswith("fault_"):
+            got = sse_ending(body)
+            if got is None:
+                return None
+            self.result.endings[f"{kind}: {got}"] += 1
+            return "" if got == ending else got
         try:
-            return isinstance(orjson.loads(body).get("choices"), list)
+            ok = isinstance(orjson.loads(body).get("choices"), list)
         except (orjson.JSONDecodeError, AttributeError):
-            return False
+            return None
+        return "" if ok and status in statuses else "json"
 
     async def run(self) -> SoakResult:
         self.start()
@@ -445,6 +592,7 @@ class Soak:
             await asyncio.gather(*(self.client(self.requests) for _ in range(self.concurrency)))
             r.wall_s = warm_s + time.perf_counter() - t1
             r.end, names1 = await self.idle_sample(self.next)
+            r.index = await self.index_metrics()
             r.task_names = (names0, names1)
             return r
         finally:

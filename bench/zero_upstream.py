@@ -9,6 +9,12 @@ two groups: unpaced (every chunk written at once) and paced (`--chunk-delay-ms` 
 
 Prints `{"ports": [...], "paced_ports": [...]}` on stdout once listening. Keep-alive HTTP/1.1, no
 pipelining.
+
+Replica faults, for soaks: a streamed request whose body carries `"user":"fault:NAME"` (compact
+JSON, as orjson writes it) gets a broken stream instead (unpaced ports): `crlf` (a whole, valid
+stream framed with CRLF line ends), `badutf8` (two events, then one that is not UTF-8), `nonjson`
+(two events, then `data: not json`), `die` (two events, then half an event and the connection
+closed).
 """
 
 from __future__ import annotations
@@ -102,6 +108,26 @@ class Responses:
         }
         self.sse_usage = _sse(usage)
         self.sse_done = _sse("[DONE]") + b"0\r\n\r\n"
+
+        # replica faults (see the module doc): each a whole response, built once
+        def crlf(obj: dict[str, object] | str) -> bytes:
+            data = obj.encode() if isinstance(obj, str) else orjson.dumps(obj)
+            return _chunked(b"data: " + data + b"\r\n\r\n")
+
+        good = b"".join(self.sse_chunks[:2])
+        self.faults = {
+            b"crlf": self.sse_head
+            + b"".join(crlf(delta(i)) for i in range(chunks))
+            + crlf("[DONE]")
+            + b"0\r\n\r\n",
+            b"badutf8": self.sse_head
+            + good
+            + _chunked(b'data: {"choices":[{"delta":{"content":"\xff\xfe"}}]}\n\n')
+            + self.sse_done,
+            b"nonjson": self.sse_head + good + _chunked(b"data: not json\n\n") + self.sse_done,
+            # the connection is closed after this: mid-event, mid-chunk
+            b"die": self.sse_head + good + b"40\r\n" + b'data: {"id":"chatcmpl-',
+        }
         models = orjson.dumps(
             {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]}
         )
@@ -181,6 +207,18 @@ class Conn(asyncio.Protocol):
         if method == b"POST" and url.endswith(b"/completions"):
             up.requests += 1
             if b'"stream":true' in body or b'"stream": true' in body:
+                f = body.find(b'"user":"fault:')
+                if f >= 0:
+                    name = body[f + 14 : body.find(b'"', f + 14)]
+                    fault = r.faults.get(name)
+                    if fault is not None:
+                        t.write(fault)
+                        if name == b"die":
+                            t.close()
+                            return
+                        if not self.parser.should_keep_alive():
+                            t.close()
+                        return
                 usage = b'"include_usage":true' in body or b'"include_usage": true' in body
                 self._stream(usage)
             else:
