@@ -205,6 +205,22 @@ def trace(
     last block is cut so the prompt is `input_length` tokens. Timestamps are rescaled so the
     mean arrival rate is `rate` (0: as recorded). `seed` is unused: the trace is the trace.
     """
+    out = []
+    for i, (t, rec, out_len) in enumerate(trace_arrivals(n, rate, path, max_output)):
+        ids = rec["hash_ids"]
+        tail = rec["input_length"] - block_tokens * (len(ids) - 1)
+        parts = [segment(f"trace-{h}", block_tokens) for h in ids[:-1]]
+        parts.append(segment(f"trace-{ids[-1]}", block_tokens)[: max(tail, 1)])
+        out.append(_req(i, t, _join(parts), out_len, f"h{ids[0]}"))
+    return out
+
+
+def trace_arrivals(
+    n: int, rate: float, path: Path = TRACE, max_output: int | None = None
+) -> list[tuple[float, dict[str, Any], int]]:
+    """The trace's first `n` records as (arrival s, record, output tokens): timestamps rescaled
+    so the mean arrival rate is `rate` (0: as recorded), outputs at least 1 and capped at
+    `max_output`. Both trace replayers (token ids here, one user message in bench/shapes.py)."""
     recs = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -213,25 +229,12 @@ def trace(
                 break
     span = (recs[-1]["timestamp"] - recs[0]["timestamp"]) / 1000.0
     scale = (len(recs) - 1) / span / rate if rate > 0 and span > 0 else 1.0
-    out = []
-    for i, rec in enumerate(recs):
-        ids = rec["hash_ids"]
-        tail = rec["input_length"] - block_tokens * (len(ids) - 1)
-        parts = [segment(f"trace-{h}", block_tokens) for h in ids[:-1]]
-        parts.append(segment(f"trace-{ids[-1]}", block_tokens)[: max(tail, 1)])
-        out_len = max(1, rec["output_length"])
-        if max_output is not None:
-            out_len = min(out_len, max_output)
-        out.append(
-            _req(
-                i,
-                (rec["timestamp"] - recs[0]["timestamp"]) / 1000.0 * scale,
-                _join(parts),
-                out_len,
-                f"h{ids[0]}",
-            )
-        )
-    return out
+    t0 = recs[0]["timestamp"]
+    cap = max_output if max_output is not None else 1 << 62
+    return [
+        ((r["timestamp"] - t0) / 1000.0 * scale, r, min(max(1, r["output_length"]), cap))
+        for r in recs
+    ]
 
 
 def trace_records(path: Path = TRACE) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from bench.routing_workloads import TRACE, TRACE_BLOCK_TOKENS
+from bench.routing_workloads import TRACE, TRACE_BLOCK_TOKENS, trace_arrivals
 from simulator.des import SimRequest
 from simulator.tokenizer import ByteTokenizer, Tokenizer
 from simulator.workloads import text
@@ -160,30 +160,19 @@ def doc_question(
     zipf_s: float = 1.1,
     question_tokens: tuple[int, int] = (20, 80),
     max_tokens: int = 64,
+    parts: bool = False,
 ) -> list[ShapedRequest]:
-    """RAG in one user message: a shared document (Zipf(s) popular), a blank line, a question."""
+    """RAG in one user message: a shared document (Zipf(s) popular), a blank line, a question;
+    with `parts`, the content as two text parts (engines join text parts with a newline)."""
     return _documents(
-        n, rate, seed, model, False, docs, doc_tokens, zipf_s, question_tokens, max_tokens
+        n, rate, seed, model, parts, docs, doc_tokens, zipf_s, question_tokens, max_tokens
     )
 
 
-def text_parts(
-    n: int,
-    rate: float,
-    seed: int,
-    model: str = MODEL,
-    *,
-    docs: int = 200,
-    doc_tokens: tuple[int, int] = (2000, 4000),
-    zipf_s: float = 1.1,
-    question_tokens: tuple[int, int] = (20, 80),
-    max_tokens: int = 64,
-) -> list[ShapedRequest]:
-    """doc_question with the user content as two text parts: the document, then the question
-    (engines join text parts with a newline)."""
-    return _documents(
-        n, rate, seed, model, True, docs, doc_tokens, zipf_s, question_tokens, max_tokens
-    )
+def text_parts(n: int, rate: float, seed: int, model: str = MODEL, **params: Any
+               ) -> list[ShapedRequest]:  # fmt: skip
+    """doc_question with the user content as two text parts: the document, then the question."""
+    return doc_question(n, rate, seed, model, parts=True, **params)
 
 
 def multi_turn(
@@ -342,25 +331,13 @@ def trace(
     `input_length` tokens. Arrivals are rescaled to a mean of `rate`/s (0: as recorded), as
     `routing_workloads.trace` does; output lengths are capped at `max_output`. `seed` is unused.
     """
-    recs = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            recs.append(json.loads(line))
-            if len(recs) >= n:
-                break
-    span = (recs[-1]["timestamp"] - recs[0]["timestamp"]) / 1000.0
-    scale = (len(recs) - 1) / span / rate if rate > 0 and span > 0 else 1.0
     items = []
-    for rec in recs:
+    for t, rec, out_len in trace_arrivals(n, rate, path, max_output):
         ids = rec["hash_ids"]
         tail = max(1, rec["input_length"] - block_tokens * (len(ids) - 1))
         lines = [_trace_line(h, block_tokens) for h in ids]
         lines[-1] = lines[-1][: 4 * tail] if tail < block_tokens else lines[-1]
-        out_len = max(1, rec["output_length"])
-        if max_output is not None:
-            out_len = min(out_len, max_output)
         messages = [{"role": "user", "content": "".join(lines)}]
-        t = (rec["timestamp"] - recs[0]["timestamp"]) / 1000.0 * scale
         items.append((t, "chat", _chat(model, messages, out_len), f"h{ids[0]}"))
     return _finish(items, n)
 

@@ -6,6 +6,7 @@ descriptors can be read from /proc.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -166,8 +167,14 @@ def zero_upstream() -> Iterator[int]:
 
 @pytest.fixture(scope="module")
 def gw(zero_upstream: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
-    tmp = tmp_path_factory.mktemp("gw")
-    proc, url = gateway_process(fuzz_config(zero_upstream), tmp)
+    with running_gateway(fuzz_config(zero_upstream), tmp_path_factory.mktemp("gw")) as proc:
+        yield proc
+
+
+@contextlib.contextmanager
+def running_gateway(cfg: dict[str, Any], tmp: Path) -> Iterator[GatewayProc]:
+    """`gateway serve` for `cfg` in a subprocess, ready; terminated on exit."""
+    proc, url = gateway_process(cfg, tmp)
     port = int(url.rsplit(":", 1)[1])
     try:
         _wait_ready(url, proc)

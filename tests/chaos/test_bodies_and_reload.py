@@ -8,12 +8,13 @@ Real parts on loopback throughout: a `gateway --config` process where uvicorn's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,13 @@ from tests.chaos.conftest import (
     MODEL,
     TENANT_KEY,
     GatewayProc,
-    _wait_ready,
     assert_openai_error,
     body_of,
+    running_gateway,
     status_of,
 )
 from tests.gateway.upstream import Upstream
-from tests.support import gateway_process, poll_until, start_server
+from tests.support import poll_until, start_server
 
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
 AUTH = {"authorization": f"Bearer {TENANT_KEY}"}
@@ -97,14 +98,8 @@ def slotted(zero_upstream: int, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "pools": {"chat": {"replicas": [{"url": f"http://127.0.0.1:{zero_upstream}"}]}},
         "tenants": [{"name": "t", "api_keys": [TENANT_KEY]}],
     }
-    proc, url = gateway_process(cfg, tmp)
-    port = int(url.rsplit(":", 1)[1])
-    try:
-        _wait_ready(url, proc)
-        yield GatewayProc(url, port, proc, tmp / f"gw-{port}.log")
-    finally:
-        proc.terminate()
-        proc.wait(15)
+    with running_gateway(cfg, tmp) as proc:
+        yield proc
 
 
 def test_keyless_request_is_refused_before_its_body_is_read(slotted: GatewayProc) -> None:
@@ -279,69 +274,68 @@ def _bad_tokenizer(tmp: Path) -> dict[str, Any]:
     return {"chunking": {"mode": "tokens", "tokenizer": str(bogus)}}
 
 
-async def test_reload_that_fails_to_apply_changes_nothing(tmp_path: Path) -> None:
-    up = Upstream("a")
-    su = await start_server(up)
+@contextlib.asynccontextmanager
+async def reloadable(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[Path, str, Any, httpx.AsyncClient]]:
+    """A gateway serving `routes.yaml` (watched, admin on) in front of one fake upstream: the
+    file, the upstream's URL, the app, an admin client."""
+    su = await start_server(Upstream("a"))
     path = tmp_path / "routes.yaml"
     write(path, su.url, max_inflight=64)
     app = create_app(load_config(path), config_path=str(path))
     gw = await start_server(app, lifespan="on")
     try:
         async with httpx.AsyncClient(base_url=gw.url, timeout=10, headers=ADMIN) as h:
-            before = (await h.get("/admin/config")).json()["config"]
-            write(path, su.url, max_inflight=3, index=_bad_tokenizer(tmp_path))
-            res = await h.post("/admin/reload")
-            assert res.status_code == 422, res.text
-            err = res.json()["error"]
-            assert set(err) == {"message", "type", "param", "code"}, err
-            assert err["code"] == "config_not_applied" and res.json()["applied"] is False
-            status = (await h.get("/admin/status")).json()
-            assert [r["max_inflight"] for r in status["pools"][0]["replicas"]] == [64]
-            info = (await h.get("/admin/config")).json()
-            assert info["config"] == before
-            assert info["version"]["last_error"] and "not applied" in info["version"]["last_error"]
-            assert info["version"]["reloads"] == 0
-            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-            assert (await h.post("/v1/chat/completions", json=chat)).status_code == 200
-            write(path, su.url, max_inflight=7)
-            res = await h.post("/admin/reload")
-            assert res.status_code == 200 and res.json()["applied"] is True
-            info = (await h.get("/admin/config")).json()
-            assert info["version"]["last_error"] is None and info["version"]["reloads"] == 1
-            status = (await h.get("/admin/status")).json()
-            assert [r["max_inflight"] for r in status["pools"][0]["replicas"]] == [7]
+            yield path, su.url, app, h
     finally:
         await gw.stop()
         await su.stop()
+
+
+async def test_reload_that_fails_to_apply_changes_nothing(tmp_path: Path) -> None:
+    async with reloadable(tmp_path) as (path, url, app, h):
+        before = (await h.get("/admin/config")).json()["config"]
+        write(path, url, max_inflight=3, index=_bad_tokenizer(tmp_path))
+        res = await h.post("/admin/reload")
+        assert res.status_code == 422, res.text
+        err = res.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+        assert err["code"] == "config_not_applied" and res.json()["applied"] is False
+        status = (await h.get("/admin/status")).json()
+        assert [r["max_inflight"] for r in status["pools"][0]["replicas"]] == [64]
+        info = (await h.get("/admin/config")).json()
+        assert info["config"] == before
+        assert info["version"]["last_error"] and "not applied" in info["version"]["last_error"]
+        assert info["version"]["reloads"] == 0
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        assert (await h.post("/v1/chat/completions", json=chat)).status_code == 200
+        write(path, url, max_inflight=7)
+        res = await h.post("/admin/reload")
+        assert res.status_code == 200 and res.json()["applied"] is True
+        info = (await h.get("/admin/config")).json()
+        assert info["version"]["last_error"] is None and info["version"]["reloads"] == 1
+        status = (await h.get("/admin/status")).json()
+        assert [r["max_inflight"] for r in status["pools"][0]["replicas"]] == [7]
 
 
 async def test_file_watcher_survives_a_reload_that_fails_to_apply(tmp_path: Path) -> None:
-    up = Upstream("a")
-    su = await start_server(up)
-    path = tmp_path / "routes.yaml"
-    write(path, su.url, max_inflight=64)
-    app = create_app(load_config(path), config_path=str(path))
-    gw = await start_server(app, lifespan="on")
-    try:
-        async with httpx.AsyncClient(base_url=gw.url, timeout=10, headers=ADMIN) as h:
+    async with reloadable(tmp_path) as (path, url, app, h):
 
-            async def version() -> dict[str, Any]:
-                return (await h.get("/admin/config")).json()["version"]  # type: ignore[no-any-return]
+        async def version() -> dict[str, Any]:
+            return (await h.get("/admin/config")).json()["version"]  # type: ignore[no-any-return]
 
-            write(path, su.url, max_inflight=3, index=_bad_tokenizer(tmp_path))
-            deadline = time.monotonic() + 10
-            while not (await version())["last_error"]:
-                assert time.monotonic() < deadline, "the watcher never reported the failed reload"
-                await asyncio.sleep(0.1)
-            assert app.gateway.pools["chat"].replicas[0].max_inflight == 64
-            write(path, su.url, max_inflight=5)  # a later edit still applies
-            await poll_until(
-                lambda: app.gateway.pools["chat"].replicas[0].max_inflight == 5, timeout_s=10
-            )
-            assert (await version())["last_error"] is None
-    finally:
-        await gw.stop()
-        await su.stop()
+        write(path, url, max_inflight=3, index=_bad_tokenizer(tmp_path))
+        deadline = time.monotonic() + 10
+        while not (await version())["last_error"]:
+            assert time.monotonic() < deadline, "the watcher never reported the failed reload"
+            await asyncio.sleep(0.1)
+        assert app.gateway.pools["chat"].replicas[0].max_inflight == 64
+        write(path, url, max_inflight=5)  # a later edit still applies
+        await poll_until(
+            lambda: app.gateway.pools["chat"].replicas[0].max_inflight == 5, timeout_s=10
+        )
+        assert (await version())["last_error"] is None
 
 
 # --- secrets in URLs ---------------------------------------------------------------------------
