@@ -25,6 +25,7 @@ from .errors import (
 )
 from .openai import Kind
 from .pipeline import Ctx, Pipeline
+from .tenants import Tenant
 
 log = logging.getLogger("gateway")
 
@@ -213,7 +214,8 @@ class ProxyEndpoint:
         server = pipeline.gw.config.server
         try:
             # the key first: a client without one gets no memory and no time for its body
-            ctx.tenant = pipeline.gw.tenants.identify(headers.get(b"authorization")).name
+            tenant = pipeline.gw.tenants.identify(headers.get(b"authorization"))
+            ctx.tenant = tenant.name
         except GatewayError as exc:
             await pipeline.finish(ctx, exc)
             read = await discard_body(scope, receive, min(REFUSED_DRAIN_S, server.body_timeout_s))
@@ -237,7 +239,7 @@ class ProxyEndpoint:
             await send_error(send, exc, close=True)
             return
         try:
-            await self._handle(scope, receive, send, raw, headers, ctx)
+            await self._handle(scope, receive, send, raw, headers, tenant, ctx)
         finally:
             self.bodies.release(len(raw))
 
@@ -248,6 +250,7 @@ class ProxyEndpoint:
         send: Send,
         raw: bytes,
         headers: dict[bytes, bytes],
+        tenant: Tenant,
         ctx: Ctx,
     ) -> None:
         pipeline = self.pipeline
@@ -275,7 +278,7 @@ class ProxyEndpoint:
         )
         error: GatewayError | None = None
         try:
-            await pipeline.handle(self.kind, raw, headers, tracked_send, ctx)
+            await pipeline.handle(self.kind, raw, headers, tenant, tracked_send, ctx)
         except GatewayError as exc:
             error = exc
             if not started:

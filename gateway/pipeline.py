@@ -95,12 +95,17 @@ class Pipeline:
         self.gw = gateway
 
     async def handle(
-        self, kind: Kind, raw: bytes, headers: dict[bytes, bytes], send: Send, ctx: Ctx
+        self,
+        kind: Kind,
+        raw: bytes,
+        headers: dict[bytes, bytes],
+        tenant: Tenant,
+        send: Send,
+        ctx: Ctx,
     ) -> None:
+        """`tenant`: identified by the endpoint from the headers, before the body was read."""
         gw = self.gw
         router = gw.router
-        tenant = gw.tenants.identify(headers.get(b"authorization"))
-        ctx.tenant = tenant.name
         req = parse_body(kind, raw)
         ctx.model, ctx.stream = req.model, req.stream
         ctx.priority = gw.tenants.priority_for(
