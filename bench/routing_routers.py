@@ -124,8 +124,8 @@ class DesRouter:
     def _scraped(self, view: Sequence[ReplicaLoad]) -> None:
         for load in view:
             r = self.replicas[load.index]
-            if r.load is None or r.scraped_at != load.scraped_at_s:
-                r.load = LoadSample(
+            if r.scraped is None or r.scraped_at != load.scraped_at_s:
+                r.scraped = LoadSample(
                     waiting=load.waiting, running=load.running, kv_usage=load.kv_usage
                 )
                 r.scraped_at = load.scraped_at_s

@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 
 from bench.overhead import chat_bodies
-from gateway.upstream import UpstreamPool
+from gateway.http_client import HttpClient
 
 ROOT = Path(__file__).resolve().parent.parent
 PATH = "/v1/chat/completions"
@@ -55,7 +55,7 @@ class Lean:
     name = "lean"
 
     def __init__(self) -> None:
-        self.pool = UpstreamPool(connect_timeout_s=5.0)
+        self.pool = HttpClient(connect_timeout_s=5.0)
 
     async def call(self, origin: str, body: bytes, stream: bool) -> int:
         resp = await self.pool.request(

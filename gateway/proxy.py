@@ -4,7 +4,7 @@ Streamed events go to the client as they arrive, checked but uncopied; the upstr
 at once when the client goes away, so the engine aborts the request, and when the server's graceful
 shutdown is about to run out (`LiveStreams`: the client gets an error event and a terminated body
 instead of a cut connection). Non-streamed answers held at once are capped (`AnswerBudget`). The
-client is gateway.upstream
+client is gateway.http_client
 (a lean keep-alive HTTP/1.1 client: aiohttp's cost dominated the gateway's CPU per request).
 """
 
@@ -19,14 +19,14 @@ import orjson
 
 from .config import TimeoutsConfig
 from .errors import GatewayError, ServerBusy, UpstreamError, UpstreamTimeout, sse_error_event
-from .streams import StreamTap
-from .upstream import (
+from .http_client import (
+    HttpClient,
     UpstreamBrokenError,
     UpstreamConnectError,
-    UpstreamPool,
     UpstreamResponse,
     UpstreamTooLargeError,
 )
+from .streams import StreamTap
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
@@ -144,7 +144,7 @@ class Opened:
 
 
 async def open_upstream(
-    pool: UpstreamPool,
+    pool: HttpClient,
     origin: str,
     path: bytes,
     body: bytes,

@@ -73,7 +73,7 @@ class ReplicaState:
     inflight_prompt_tokens: int = 0
     placed_blocks: int = 0  # blocks new to this replica routed to it, ever (cold placement)
     unrecords: int = 0  # failed dispatches whose unconfirmed blocks left the index
-    load: LoadSample | None = None
+    scraped: LoadSample | None = None
     scraped_at: float = 0.0
     ttft_ewma_s: float | None = None
     served_models: frozenset[str] = frozenset()  # from the replica's /v1/models
@@ -127,8 +127,8 @@ class ReplicaState:
 
     def view(self, hit_blocks: int, now: float) -> ReplicaView:
         load = (
-            self.load
-            if self.load is not None and now - self.scraped_at <= self.stale_after_s
+            self.scraped
+            if self.scraped is not None and now - self.scraped_at <= self.stale_after_s
             else None
         )
         return ReplicaView(
@@ -252,7 +252,7 @@ class ReplicaMonitor:
             log.info("replica %s: metrics scrape recovered", r.name)
             self._scrape_failing = False
         sample = parse_metrics(text)
-        r.load, r.scraped_at = sample, time.monotonic()
+        r.scraped, r.scraped_at = sample, time.monotonic()
         return sample
 
     async def _probe_loop(self) -> None:

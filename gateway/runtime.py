@@ -26,15 +26,15 @@ from prefix_index.chunking import Chunker, make_chunker
 from .admission import Admission, shed_all
 from .config import Config, PoolConfig, ReplicaConfig
 from .discovery import DiscoveryConfig, DiscoveryError
-from .kv_events import KvEvents, check_parity
+from .http_client import HttpClient
+from .kv_subscriber import KvEvents, check_parity
+from .metrics import Metrics
 from .proxy import AnswerBudget, LiveStreams
 from .ratelimit import RateLimiter, open_rate_limiter
 from .replicas import ReplicaMonitor, ReplicaState
 from .router import Router
-from .telemetry import Metrics
 from .tenants import TenantDirectory
 from .tracing import Tracing
-from .upstream import UpstreamPool
 from .window import RollingWindow
 
 log = logging.getLogger("gateway")
@@ -108,7 +108,7 @@ class Gateway:
         self.index: PrefixIndex | None = None
         self.metrics.watch_index(lambda: (self.index, self.kv_events, self.parity))
         self._session: aiohttp.ClientSession | None = None  # probes, scrapes, /v1/models
-        self._upstream: UpstreamPool | None = None  # the request path
+        self._upstream: HttpClient | None = None  # the request path
         self._monitors: dict[int, ReplicaMonitor] = {}  # id(ReplicaState) -> its monitor
         self._discovery: dict[str, tuple[Any, asyncio.Task[None]]] = {}  # pool -> (config, watcher)
         self._retiring: set[asyncio.Task[Any]] = set()
@@ -195,7 +195,7 @@ class Gateway:
         return self._session
 
     @property
-    def upstream(self) -> UpstreamPool:
+    def upstream(self) -> HttpClient:
         assert self._upstream is not None, "Gateway.start() was not awaited"
         return self._upstream
 
@@ -210,7 +210,7 @@ class Gateway:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=connect_s)
         )
-        self._upstream = UpstreamPool(connect_s)
+        self._upstream = HttpClient(connect_s)
         if self.config.index.events.enabled:
             self.kv_events = KvEvents()
         self._sync_monitors()

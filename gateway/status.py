@@ -42,8 +42,8 @@ def snapshot(gateway: Gateway, window: RollingWindow | None) -> dict[str, Any]:
 
 def _replica(r: ReplicaState, now: float, recent: dict[str, Any] | None) -> dict[str, Any]:
     state = r.circuit.current(now)
-    fresh = r.load is not None and now - r.scraped_at <= r.stale_after_s
-    load = r.load if fresh else None
+    fresh = r.scraped is not None and now - r.scraped_at <= r.stale_after_s
+    load = r.scraped if fresh else None
     hits = load.prefix_hits if load is not None else None
     queries = load.prefix_queries if load is not None else None
     return {
@@ -61,7 +61,7 @@ def _replica(r: ReplicaState, now: float, recent: dict[str, Any] | None) -> dict
         "kv_usage": load.kv_usage if load is not None else None,
         "preemptions": _num(load.preemptions) if load is not None else None,
         "replica_prefix_hit_rate": hits / queries if hits is not None and queries else None,
-        "scrape_age_s": now - r.scraped_at if r.load is not None else None,
+        "scrape_age_s": now - r.scraped_at if r.scraped is not None else None,
         "ttft_ewma_s": r.ttft_ewma_s,
         "recent": recent or _IDLE,
     }

@@ -25,7 +25,7 @@ from simulator.stats import EngineCounters
 from simulator.tokenizer import ByteTokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    from simulator.kv_events import KvEventPublisher
+    from simulator.kv_publisher import KvEventPublisher
 
 START_TIMEOUT_S = 10.0
 
@@ -99,7 +99,7 @@ class Replica:
     async def start(self) -> None:
         options = self.kv_events_options
         if options is not None:
-            from simulator.kv_events import KvEventPublisher  # pyzmq only when asked for
+            from simulator.kv_publisher import KvEventPublisher  # pyzmq only when asked for
 
             publisher = KvEventPublisher(self.engine.cache, options, host=self.host)
             await publisher.start()

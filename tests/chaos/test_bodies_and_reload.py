@@ -25,7 +25,7 @@ import yaml
 
 from gateway import create_app, load_config
 from gateway.config import ConfigError, parse_config
-from gateway.upstream import UpstreamPool
+from gateway.http_client import HttpClient
 from tests.chaos.conftest import (
     ADMIN_KEY,
     MODEL,
@@ -36,7 +36,7 @@ from tests.chaos.conftest import (
     running_gateway,
     status_of,
 )
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until, start_server
 
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
@@ -411,7 +411,7 @@ async def test_idle_upstream_connections_close_after_their_ttl() -> None:
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    pool = UpstreamPool(1.0, idle_ttl_s=0.3)
+    pool = HttpClient(1.0, idle_ttl_s=0.3)
     try:
         resp = await pool.request(f"http://127.0.0.1:{port}", b"GET", b"/", [])
         assert await resp.read_all(100) == b"ok"

@@ -10,7 +10,7 @@ import pytest
 
 from gateway import create_app, parse_config
 from tests.gateway.conftest import rig
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 from tests.support import free_port, start_server
 
 BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

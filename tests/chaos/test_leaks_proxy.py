@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from gateway import create_app, parse_config
 from gateway.tracing import Tracing
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 from tests.support import Served, free_port, start_server
 
 KEY_A = "sk-leak-alpha-0d5e8f1a2b"

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from gateway.ratelimit import MemoryRateLimiter, RateLimiter, RedisRateLimiter, Rule, rate_limited
 from tests.gateway.conftest import Rig, rig
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 KEY = "key-limits-" + "z" * 20

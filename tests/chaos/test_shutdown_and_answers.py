@@ -14,7 +14,7 @@ import uvicorn
 
 from gateway import create_app, parse_config
 from gateway.http_protocol import GuardedHttpToolsProtocol
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until, start_server
 
 KEY = "sk-shutdown-test-7c1d"

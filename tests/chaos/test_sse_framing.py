@@ -17,7 +17,7 @@ import pytest
 
 from gateway.streams import StreamTap
 from tests.gateway.conftest import rig
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 
 CHAT = [{"role": "user", "content": "hello"}]
 BODY = {"model": "m", "messages": CHAT, "stream": True}

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway import create_app, parse_config
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 from tests.support import Served, free_port, start_server
 
 

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from tests.gateway.conftest import rig
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 from tests.support import gateway_process, poll_until, start_server, wait_ready
 
 KEYS = {"a": "key-a-" + "x" * 20, "b": "key-b-" + "y" * 20}

@@ -22,7 +22,7 @@ from gateway.runtime import Gateway
 from gateway.status import snapshot
 from gateway.window import RollingWindow, quantile
 from tests.gateway.conftest import rig
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until, serving
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -509,7 +509,7 @@ async def test_status_page_renders_in_headless_chromium(
                     await chat(client, gw.url, text, model=fleet.replicas[0].model_name)
 
             await asyncio.gather(*(one(i) for i in range(48)))
-            await poll_until(lambda: all(r.load is not None for r in app.gateway.all_replicas()))
+            await poll_until(lambda: all(r.scraped is not None for r in app.gateway.all_replicas()))
             page = f"{gw.url}/dashboard#key={KEY}"
             shot = tmp_path / "dashboard.png"
             dom, _ = await asyncio.gather(

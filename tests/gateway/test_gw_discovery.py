@@ -9,7 +9,7 @@ import httpx
 from gateway import create_app, parse_config
 from prefix_index.chunking import render_chat, scope_key
 from tests.deploy.test_discovery import FakeApi
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until, start_server
 
 MESSAGES = [

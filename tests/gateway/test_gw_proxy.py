@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import rig
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello"}]
 

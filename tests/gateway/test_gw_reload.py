@@ -12,7 +12,7 @@ import httpx
 import yaml
 
 from gateway import create_app, load_config
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until, start_server
 
 ADMIN = "admin-key-0123456789"

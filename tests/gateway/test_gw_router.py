@@ -14,7 +14,7 @@ from gateway.openai import parse_body
 from gateway.router import RouteInput
 from simulator import Fleet
 from simulator.workloads import text
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 from tests.support import free_port, start_server
 
 MODEL = "qwen2.5-14b"

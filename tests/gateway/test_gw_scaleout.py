@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from tests.gateway.upstream import Upstream
+from tests.gateway.fake_replica import Upstream
 from tests.support import gateway_process, start_server, wait_ready
 
 PROMPT = "You are a meticulous assistant. " * 40  # ~1.3 KB: 20 blocks of 64 bytes

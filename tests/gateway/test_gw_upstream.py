@@ -1,4 +1,4 @@
-"""UpstreamPool against real servers on loopback: uvicorn apps, and raw asyncio servers that misbehave.
+"""HttpClient against real servers on loopback: uvicorn apps, and raw asyncio servers that misbehave.
 
 Every test runs twice, on the plain asyncio loop and on uvloop (the gateway's loop).
 """
@@ -20,11 +20,11 @@ from typing import Any, TypedDict
 import pytest
 import uvloop
 
-from gateway.upstream import (
+from gateway.http_client import (
     HIGH_WATER_BYTES,
+    HttpClient,
     UpstreamBrokenError,
     UpstreamConnectError,
-    UpstreamPool,
     UpstreamProtocolError,
     UpstreamResponse,
     UpstreamTooLargeError,
@@ -157,8 +157,8 @@ ALL_TIMEOUTS = Timeouts(first_byte_timeout_s=5.0, idle_timeout_s=5.0, total_time
 
 
 @contextlib.asynccontextmanager
-async def open_pool(**kw: Any) -> AsyncIterator[UpstreamPool]:
-    pool = UpstreamPool(connect_timeout_s=2.0, **kw)
+async def open_pool(**kw: Any) -> AsyncIterator[HttpClient]:
+    pool = HttpClient(connect_timeout_s=2.0, **kw)
     try:
         yield pool
     finally:
@@ -166,7 +166,7 @@ async def open_pool(**kw: Any) -> AsyncIterator[UpstreamPool]:
 
 
 async def get(
-    pool: UpstreamPool,
+    pool: HttpClient,
     origin: str,
     method: bytes = b"GET",
     first_byte_timeout_s: float | None = 5.0,
@@ -473,7 +473,7 @@ async def test_aclose_closes_idle_and_busy_connections() -> None:
         return await until_gone(reader, gone)
 
     async with RawServer(handler) as srv:
-        pool = UpstreamPool(connect_timeout_s=2.0)
+        pool = HttpClient(connect_timeout_s=2.0)
         busy = await get(pool, srv.origin)  # connection 1, streaming
         assert await body_of(await get(pool, srv.origin)) == b"hello"  # connection 2, now idle
         assert await busy.read_chunk() == b"data: 1\n\n"

@@ -23,7 +23,7 @@ msgpack = pytest.importorskip("msgspec.msgpack")
 pytest.importorskip("tokenizers")
 
 from prefix_index import KvEventApplier, MemoryIndex, TokenChunker, decode_batch, scope_key  # noqa: E402
-from simulator.kv_events import END_SEQ, encode_batch  # noqa: E402
+from simulator.kv_publisher import END_SEQ, encode_batch  # noqa: E402
 
 # shared/reference/vllm-sglang-interfaces.md §1.4 (hashes from §2.6, tokens 100..115).
 LEGACY_HEX = (

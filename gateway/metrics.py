@@ -367,12 +367,12 @@ class _ReplicaCollector(Collector):
                 circuit.add_metric([*lv, s], 1.0 if state == s else 0.0)
             inflight.add_metric(lv, r.inflight)
             pending.add_metric(lv, r.inflight_prompt_tokens)
-            fresh = r.load is not None and now - r.scraped_at <= r.stale_after_s
-            if fresh and r.load is not None:
-                if r.load.waiting is not None:
-                    waiting.add_metric(lv, r.load.waiting)
-                if r.load.running is not None:
-                    running.add_metric(lv, r.load.running)
-                if r.load.kv_usage is not None:
-                    kv.add_metric(lv, r.load.kv_usage)
+            fresh = r.scraped is not None and now - r.scraped_at <= r.stale_after_s
+            if fresh and r.scraped is not None:
+                if r.scraped.waiting is not None:
+                    waiting.add_metric(lv, r.scraped.waiting)
+                if r.scraped.running is not None:
+                    running.add_metric(lv, r.scraped.running)
+                if r.scraped.kv_usage is not None:
+                    kv.add_metric(lv, r.scraped.kv_usage)
         yield from (up, circuit, inflight, pending, waiting, running, kv)

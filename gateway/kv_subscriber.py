@@ -19,7 +19,7 @@ import aiohttp
 from prefix_index.chunking import scope_key
 from prefix_index.events import EventDecodeError, KvEventApplier, decode_batch
 
-log = logging.getLogger("gateway.kv_events")
+log = logging.getLogger("gateway.kv_subscriber")
 
 POLL_MS = 250
 REPLAY_TIMEOUT_MS = 2000

@@ -21,7 +21,7 @@ __all__ = [
     "UpstreamBrokenError",
     "UpstreamClientError",
     "UpstreamConnectError",
-    "UpstreamPool",
+    "HttpClient",
     "UpstreamProtocolError",
     "UpstreamResponse",
     "UpstreamTooLargeError",
@@ -82,7 +82,7 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = ("pool", "origin", "transport", "resp", "closed", "idle", "idle_since", "uses")
 
-    def __init__(self, pool: UpstreamPool, origin: _Origin) -> None:
+    def __init__(self, pool: HttpClient, origin: _Origin) -> None:
         self.pool = pool
         self.origin = origin
         self.transport: asyncio.Transport | None = None
@@ -498,7 +498,7 @@ class UpstreamResponse:
             self._keep_alive = self._parser.should_keep_alive()  # type: ignore[union-attr]
 
 
-class UpstreamPool:
+class HttpClient:
     """Keep-alive connections to every replica, LIFO per origin; one request per connection."""
 
     def __init__(
@@ -540,7 +540,7 @@ class UpstreamPool:
         total_timeout_s), ValueError for a bad origin or a CR/LF in a header.
         """
         if self._closed:
-            raise RuntimeError("UpstreamPool is closed")
+            raise RuntimeError("HttpClient is closed")
         o = self._origins.get(origin) or self._parse_origin(origin)
         payload = _encode(method, path, o.host_header, headers, body)
         loop = asyncio.get_running_loop()
@@ -640,7 +640,7 @@ class UpstreamPool:
             raise UpstreamConnectError(f"cannot connect to {o.name}: {exc}") from exc
         if self._closed:
             conn.close(abort=True)
-            raise RuntimeError("UpstreamPool is closed")
+            raise RuntimeError("HttpClient is closed")
         return conn
 
     def _take(self, o: _Origin, now: float) -> _Connection | None:
