@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from gateway.config import parse_config
-from gateway.demo import serving, simulated_fleet
+from gateway import create_app, parse_config
+from simulator.harness import serving, simulated_fleet, stream_chat
 from simulator.workloads import text
 
 MODEL = "qwen2.5-14b"
@@ -119,33 +119,33 @@ async def send(h: aiohttp.ClientSession, base: str, r: Req, res: Result, speedup
         "max_tokens": r.max_tokens,
         "stream": stream,
     }
-    headers = {"content-type": "application/json", "authorization": f"Bearer {KEYS[r.tenant]}"}
+    headers = {"authorization": f"Bearer {KEYS[r.tenant]}"}
     res.sent[r.tenant] += 1
     t0 = time.perf_counter()
     got_first = False
+
+    def first() -> None:
+        nonlocal got_first
+        res.ttft.append((time.perf_counter() - t0) * speedup)
+        got_first = True
+
     try:
-        async with h.post(
-            base + "/v1/chat/completions", data=orjson.dumps(body), headers=headers
-        ) as resp:
-            if resp.status != 200:
-                await resp.read()
-                if resp.status in (429, 503):
-                    res.shed[r.tenant] += 1
-                else:
-                    res.errors += 1
-                return
-            if stream:
-                async for chunk in resp.content.iter_any():
-                    if b'"content"' in chunk:
-                        res.ttft.append((time.perf_counter() - t0) * speedup)
-                        got_first = True
-                        break
-                async for _ in resp.content.iter_any():
-                    pass
-            else:
-                data = orjson.loads(await resp.read())
+        if stream:
+            status = await stream_chat(h, base, orjson.dumps(body), headers, on_first=first)
+        else:
+            async with h.post(
+                base + "/v1/chat/completions",
+                data=orjson.dumps(body),
+                headers={"content-type": "application/json", **headers},
+            ) as resp:
+                status, data = resp.status, await resp.read()
+            if status == 200:
                 res.batch_done += 1
-                res.batch_tokens += int(data["usage"]["completion_tokens"])
+                res.batch_tokens += int(orjson.loads(data)["usage"]["completion_tokens"])
+        if status in (429, 503):
+            res.shed[r.tenant] += 1
+        elif status != 200:
+            res.errors += 1
     except asyncio.CancelledError:
         if stream and not got_first:  # still waiting at the end: count its wait so far
             res.ttft.append((time.perf_counter() - t0) * speedup)
@@ -270,9 +270,9 @@ async def main_async(args: argparse.Namespace) -> int:
     for name, inflight in ((f"on (inflight {args.inflight})", args.inflight), ("off", 100_000)):
         async with (
             simulated_fleet(args.replicas, "--speedup", str(sp), *SIM_ARGS) as urls,
-            serving(parse_config(gateway_config(urls, inflight))) as base,
+            serving(create_app(parse_config(gateway_config(urls, inflight))), lifespan="on") as gw,
         ):
-            r = await open_loop(name, base, reqs, duration, sp)
+            r = await open_loop(name, gw.url, reqs, duration, sp)
         print(f"  {name}: done")
         results.append(r)
     print()

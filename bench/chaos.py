@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import random
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -38,13 +37,14 @@ from typing import Any
 
 import aiohttp
 import orjson
-import uvicorn
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bench import verdict
 from gateway import create_app
 from gateway.config import load_config
 from gateway.tracing import Tracing
 from simulator.fleet import Fleet
+from simulator.harness import free_port, lifespan_done, read_body, start_server
 from simulator.workloads import text
 
 MODEL = "qwen2.5-14b"
@@ -61,12 +61,6 @@ ADMIN_KEY = "sk-chaos-admin-0d6e"
 REDIS_PASSWORD = "chaos-redis-pw-5b1f9e"
 REPLICA_PASSWORD = "chaos-replica-pw-77c2"
 FLAP_MODEL = "flap-model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- the pieces ----------------------------------------------------------------------------------
@@ -139,36 +133,6 @@ class PrivateRedis:
             await proc.wait()
 
 
-class LoopbackServer:
-    """An ASGI app served by uvicorn in the running loop on a free loopback port."""
-
-    def __init__(self, app: Any) -> None:
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=0, lifespan="on", loop="none", http="httptools",
-            log_config=None, access_log=False, timeout_graceful_shutdown=2,
-        )  # fmt: skip
-        self.server = uvicorn.Server(config)
-        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-        self.task: asyncio.Task[None] | None = None
-        self.url = ""
-
-    async def start(self) -> None:
-        self.task = asyncio.create_task(self.server.serve())
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 15
-        while not self.server.started:
-            if self.task.done() or loop.time() > deadline:
-                raise RuntimeError("the gateway did not start")
-            await asyncio.sleep(0.005)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        if self.task is not None:
-            await self.task
-
-
 class RogueReplica:
     """An OpenAI-speaking replica that breaks SSE the ways real ones have (the issue's repros).
 
@@ -189,14 +153,8 @@ class RogueReplica:
         }) + b"\n\n"  # fmt: skip
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+        if await lifespan_done(scope, receive, send):
+            return
         path = scope["path"]
         if path == "/v1/models":
             await self._whole(send, 200, {"object": "list",
@@ -205,13 +163,7 @@ class RogueReplica:
         if path != "/v1/chat/completions":
             await self._whole(send, 200, {"status": "ok"})
             return
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        body = orjson.loads(raw)
+        body = orjson.loads(await read_body(receive))
         mode = str(body.get("user", "")).removeprefix("rogue:")
         self.calls[mode] += 1
         await send({"type": "http.response.start", "status": 200,
@@ -972,9 +924,7 @@ class Chaos:
             async with Fleet(n=plan.replicas, model=MODEL, speedup=plan.speedup,
                              seed=plan.seed) as fleet:  # fmt: skip
                 self.fleet = fleet
-                rogue = LoopbackServer(self.rogue) if plan.hostile else None
-                if rogue is not None:
-                    await rogue.start()
+                rogue = await start_server(self.rogue, lifespan="on") if plan.hostile else None
                 dead = f"http://chaos:{REPLICA_PASSWORD}@127.0.0.1:{free_port()}"
                 cfg = gateway_config(plan, fleet.urls, self.redis.url,
                                      rogue.url if rogue is not None else None,
@@ -986,8 +936,7 @@ class Chaos:
                 self.write_config(cfg)
                 app = create_app(load_config(self.config_path), tracing=tracing,
                                  config_path=str(self.config_path))
-                server = LoopbackServer(app)
-                await server.start()
+                server = await start_server(app, lifespan="on")
                 self.url = server.url
                 # idle client connections go before the gateway's own 5 s keep-alive timeout
                 # closes them: a POST on a connection the server is closing just then fails
@@ -1249,10 +1198,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table())
     bad = report.violations()
     print(f"wall time {time.perf_counter() - t:.0f} s")
-    for v in bad:
-        print("VIOLATION:", v)
-    print("OK: every request got a complete answer or a clear error" if not bad else "FAILED")
-    return 1 if bad else 0
+    return verdict(bad, "VIOLATION", "OK: every request got a complete answer or a clear error")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import dataclasses
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from typing import Any
 import httptools
 import orjson
 import yaml
+
+from simulator.harness import free_port, stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 GATEWAY_BIN = Path(sys.executable).parent / "gateway"
@@ -385,12 +386,6 @@ async def _arrivals(run: Run, rate: float, end_at: float) -> None:
 
 
 # --- processes ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _pin(pid: int, cpu: int, nice: int) -> None:
     """Pin every thread of `pid` to `cpu` (threads started later inherit it)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -408,14 +403,7 @@ class Procs:
     gateways: dict[str, tuple[subprocess.Popen[bytes], int]] = field(default_factory=dict)
 
     def stop(self) -> None:
-        procs = [p for p, _ in self.gateways.values()] + [self.upstream]
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes([p for p, _ in self.gateways.values()] + [self.upstream])
 
 
 def start_upstream(args: argparse.Namespace, cpu: int) -> Procs:
@@ -836,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             kept = []
             for v in vs:
-                port = _free_port()
+                port = free_port()
                 cfg = gateway_config(port, procs.ports, procs.paced, v)
                 try:
                     proc = start_gateway(v, cfg, Path(tmp), args, args.gateway_cpu)

@@ -26,18 +26,13 @@ from typing import Any
 from bench import routing_workloads as wl
 from bench import shapes
 from bench.routing_routers import CANDIDATES, DEFAULT_ROUTERS, GATEWAY_DEFAULT, ROUTERS
+from bench.routing_workloads import ENGINE, TRACE_ENGINE
 from simulator.config import build_config
 from simulator.des import Cluster, SimRequest, run
 from simulator.stats import percentile
 
 N_REPLICAS = 8
 SCRAPE_S = 1.0  # the gateway's default scrape interval (gateway.config.ScrapeConfig)
-# qwen2.5-14b on one A100-80G at gpu_memory_utilization 0.6: 3,960 blocks = 63,360 tokens of KV
-# per replica (506,880 for the fleet): below the shared-prompt and multi-turn working sets,
-# which fit the fleet; the same setting `gateway demo` uses.
-ENGINE: dict[str, Any] = {"model": "qwen2.5-14b", "gpu": "a100-80g", "gpu_memory_utilization": 0.6}
-# The trace's longest prompt is 191,378 tokens: H200s (464,672 tokens of KV each), context raised.
-TRACE_ENGINE: dict[str, Any] = {"model": "qwen2.5-14b", "gpu": "h200", "max_model_len": 196_608}
 
 
 

@@ -29,13 +29,12 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.routing import ENGINE, TRACE_ENGINE
-from bench.routing_workloads import profile
+from bench.routing_workloads import ENGINE, TRACE_ENGINE, profile
 from bench.shapes import SHAPES, ShapedRequest, to_sim_requests
-from gateway import Config, parse_config
-from gateway.demo import serving, simulated_fleet
+from gateway import Config, create_app, parse_config
 from simulator.config import build_config
 from simulator.des import SimRequest
+from simulator.harness import serving, simulated_fleet
 from simulator.kv_cache import block_hashes
 from simulator.stats import percentile
 from simulator.workloads import text
@@ -199,7 +198,7 @@ async def drive(
     records: list[Record] = []
     errors: list[str] = []
     async with (
-        serving(config) as gw,
+        serving(create_app(config), lifespan="on") as gw,
         aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=None, sock_read=120),
@@ -216,7 +215,7 @@ async def drive(
                     await asyncio.sleep(delay)
                 if after is not None:
                     await after.wait()
-                got = await send(session, gw, req, speedup, tpb)
+                got = await send(session, gw.url, req, speedup, tpb)
                 if isinstance(got, Record):
                     records.append(got)
                 else:

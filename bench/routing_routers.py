@@ -102,7 +102,7 @@ class DesRouter:
         self.name = label or (policy if isinstance(policy, str) else "custom")
         self.now = 0.0
         self.gw = Gateway(cfg)
-        self.gw.index = self._index(cfg)
+        self.gw.use_index(self._index(cfg))
         self.pool = self.gw.pools[POOL]
         self.pool.policy = build_policy(cfg.pools[POOL].policy, seed=seed)  # the run's seed
         self.router = self.gw.router

@@ -1,7 +1,8 @@
 """Token-level workloads for the routing benchmark, the public-trace replayer, and the oracle bound.
 
-Same shapes as `simulator.workloads` (which builds chat text for the HTTP path), but prompts are
-token ids made directly, so a DES run of thousands of multi-KB prompts spends no time on text.
+Prompts are token ids made directly (the no-sharing control and the trace), so a DES run of
+thousands of multi-KB prompts spends no time on text; every other shape is the OpenAI bodies of
+`bench.shapes`. `profile` is the oracle bound of any request sequence.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import json
 import os
 import random
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from simulator.des import SimRequest
 from simulator.kv_cache import block_hashes
+from simulator.workloads import arrivals
 
 # the public trace lives beside the checkout (shared/traces/); KVGW_TRACE points elsewhere
 TRACE = Path(
@@ -31,6 +33,12 @@ TRACE_BLOCK_TOKENS = 512  # one Mooncake hash id stands for 512 tokens
 Tokens = array
 
 
+# qwen2.5-14b on one A100-80G at gpu_memory_utilization 0.6: 3,960 blocks = 63,360 tokens of KV
+# per replica (506,880 for the fleet): below the shared-prompt and multi-turn working sets,
+# which fit the fleet; the same setting `gateway demo` uses.
+ENGINE: dict[str, Any] = {"model": "qwen2.5-14b", "gpu": "a100-80g", "gpu_memory_utilization": 0.6}
+# The trace's longest prompt is 191,378 tokens: H200s (464,672 tokens of KV each), context raised.
+TRACE_ENGINE: dict[str, Any] = {"model": "qwen2.5-14b", "gpu": "h200", "max_model_len": 196_608}
 VOCAB = 131_072  # token ids stay below a real vocabulary's size (the gateway checks their range)
 
 
@@ -49,106 +57,11 @@ def _join(parts: Sequence[Tokens]) -> Tokens:
     return out
 
 
-def _arrivals(rng: random.Random, n: int, rate: float) -> Iterator[float]:
-    t = 0.0
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        yield t
-
-
-def _req(
-    i: int, t: float, tokens: Tokens, max_tokens: int, group: str, session: str | None = None
-) -> SimRequest:
-    return SimRequest(f"q{i}", t, tokens, max_tokens, meta={"group": group, "session": session})
+def _req(i: int, t: float, tokens: Tokens, max_tokens: int, group: str) -> SimRequest:
+    return SimRequest(f"q{i}", t, tokens, max_tokens, meta={"group": group, "session": None})
 
 
 # --- the generators: (n, rate, seed, **params) -> requests in arrival order ---------------------
-def shared_prompts(
-    n: int,
-    rate: float,
-    seed: int,
-    *,
-    k: int = 24,
-    prompt_tokens: tuple[int, int] = (1000, 6000),
-    user_tokens: tuple[int, int] = (20, 120),
-    max_tokens: int = 64,
-    hot_weight: float = 1.0,
-) -> list[SimRequest]:
-    """(a) K system prompts of 1-6K tokens and a short unique user turn; (f) with hot_weight > 1
-    prompt 0 gets that many times the traffic of each other prompt."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(*prompt_tokens) for _ in range(k)]
-    weights = [hot_weight] + [1.0] * (k - 1)
-    out = []
-    for i, t in enumerate(_arrivals(rng, n, rate)):
-        g = rng.choices(range(k), weights)[0]
-        user = segment(f"user-{seed}-{i}", rng.randint(*user_tokens))
-        out.append(
-            _req(i, t, _join([segment(f"sys-{seed}-{g}", lengths[g]), user]), max_tokens, f"sys{g}")
-        )
-    return out
-
-
-def multi_turn(
-    n: int,
-    rate: float,
-    seed: int,
-    *,
-    turns: int = 8,
-    system_tokens: int = 500,
-    systems: int = 4,
-    user_tokens: tuple[int, int] = (50, 200),
-    reply_tokens: int = 100,
-    think_s: tuple[float, float] = (2.0, 10.0),
-) -> list[SimRequest]:
-    """(b) Chats whose history grows turn by turn: each turn resends the whole history plus a new
-    user message. `rate` is requests/s in steady state (conversations start at rate / turns)."""
-    rng = random.Random(seed)
-    items: list[tuple[float, Tokens, str]] = []
-    for c, start in enumerate(_arrivals(rng, max(1, n // turns), rate / turns)):
-        history = [segment(f"mt-sys-{seed}-{c % systems}", system_tokens)]
-        t = start
-        for turn in range(turns):
-            history.append(segment(f"mt-u-{seed}-{c}-{turn}", rng.randint(*user_tokens)))
-            items.append((t, _join(history), f"conv{c}"))
-            history.append(segment(f"mt-a-{seed}-{c}-{turn}", reply_tokens))
-            t += rng.uniform(*think_s)
-    items.sort(key=lambda x: x[0])
-    return [_req(i, t, tok, reply_tokens, g, session=g) for i, (t, tok, g) in enumerate(items)]
-
-
-def rag(
-    n: int,
-    rate: float,
-    seed: int,
-    *,
-    docs: int = 200,
-    doc_tokens: tuple[int, int] = (2000, 4000),
-    zipf_s: float = 1.1,
-    question_tokens: tuple[int, int] = (20, 80),
-    max_tokens: int = 64,
-) -> list[SimRequest]:
-    """(c) RAG: one of `docs` long documents, drawn Zipf(s) by popularity, then a question."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(*doc_tokens) for _ in range(docs)]
-    weights = [1.0 / (r + 1) ** zipf_s for r in range(docs)]
-    head = segment(f"rag-instr-{seed}", 16)
-    out = []
-    for i, t in enumerate(_arrivals(rng, n, rate)):
-        d = rng.choices(range(docs), weights)[0]
-        q = segment(f"q-{seed}-{i}", rng.randint(*question_tokens))
-        out.append(
-            _req(
-                i,
-                t,
-                _join([head, segment(f"doc-{seed}-{d}", lengths[d]), q]),
-                max_tokens,
-                f"doc{d}",
-            )
-        )
-    return out
-
-
 def no_sharing(
     n: int,
     rate: float,
@@ -161,33 +74,8 @@ def no_sharing(
     rng = random.Random(seed)
     return [
         _req(i, t, segment(f"ns-{seed}-{i}", rng.randint(*prompt_tokens)), max_tokens, "")
-        for i, t in enumerate(_arrivals(rng, n, rate))
+        for i, t in enumerate(arrivals(rng, n, rate))
     ]
-
-
-def mixed_long(
-    n: int,
-    rate: float,
-    seed: int,
-    *,
-    long_share: float = 0.1,
-    long_tokens: tuple[int, int] = (8192, 16000),
-    **short: Any,
-) -> list[SimRequest]:
-    """(e) Shared-prompt traffic (a) with a share of unique 8K+ token prompts mixed in."""
-    rng = random.Random(seed + 1)
-    out = []
-    for r in shared_prompts(n, rate, seed, **short):
-        if rng.random() < long_share:
-            r = _req(
-                int(r.id[1:]),
-                r.arrival_s,
-                segment(f"long-{seed}-{r.id}", rng.randint(*long_tokens)),
-                r.max_tokens,
-                "long",
-            )
-        out.append(r)
-    return out
 
 
 def trace(

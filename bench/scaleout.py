@@ -36,6 +36,7 @@ import aiohttp
 import orjson
 import yaml
 
+from simulator.harness import free_port, stop_processes
 from simulator.workloads import shared_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,14 +45,6 @@ TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
 # --- processes ---------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()
@@ -122,16 +115,6 @@ async def wait_ready(gws: list[tuple[Any, str]], timeout_s: float = 30.0) -> Non
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"gateway {url} not ready")
                 await asyncio.sleep(0.1)
-
-
-def stop(procs: list[Any]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 # --- part 1: throughput ------------------------------------------------------------------------
@@ -255,10 +238,10 @@ async def part1(args: argparse.Namespace, tmp: Path) -> list[Tput]:
                 out.append(t)
                 print(f"  throughput {label}: {t.rps:.0f} req/s", file=sys.stderr)
             finally:
-                stop([p for p, _ in gws])
+                stop_processes([p for p, _ in gws])
         return out
     finally:
-        stop([up])
+        stop_processes([up])
 
 
 # --- part 2: prefix-hit ratio ------------------------------------------------------------------
@@ -299,7 +282,7 @@ def start_simulator(model: str) -> tuple[Any, list[str]]:
     while len(urls) < 4:
         line = sim.stdout.readline()
         if not line:
-            stop([sim])
+            stop_processes([sim])
             raise RuntimeError("simulator exited")
         if line.startswith("replica ") and " http" in line:
             urls.append(line.split()[2])
@@ -338,8 +321,8 @@ async def hit_run(n_gw: int, args: argparse.Namespace, tmp: Path) -> Hits:
         print(f"  hit ratio {label}: {hit / max(prompt, 1):.3f}", file=sys.stderr)
         return Hits(label, prompt, hit, errors, share)
     finally:
-        stop([p for p, _ in gws])
-        stop([sim])
+        stop_processes([p for p, _ in gws])
+        stop_processes([sim])
 
 
 # --- report ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import functools
 import json
 import random
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,8 @@ import orjson
 from bench.routing_workloads import TRACE, TRACE_BLOCK_TOKENS, trace_arrivals
 from simulator.des import SimRequest
 from simulator.tokenizer import ByteTokenizer, Tokenizer
-from simulator.workloads import text
+from simulator.workloads import WorkItem, arrivals, shared_prompts, text
+from simulator.workloads import multi_turn as multi_turn_chats
 
 MODEL = "bench-model"
 VOCAB = ByteTokenizer.vocab_size  # completion_ids draws ids from [16, VOCAB), as ByteTokenizer
@@ -47,13 +48,6 @@ class ShapedRequest:
 
 
 # --- helpers -------------------------------------------------------------------------------------
-def _arrivals(rng: random.Random, n: int, rate: float) -> Iterator[float]:
-    t = 0.0
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        yield t
-
-
 def _stream(body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     body["max_tokens"] = max_tokens
     body["stream"] = True
@@ -102,18 +96,16 @@ def system(
     hot_weight: float = 1.0,
 ) -> list[ShapedRequest]:
     """K shared system messages of 1-6K tokens, then a short unique user question; with
-    `hot_weight` > 1 system prompt 0 gets that many times the traffic of each other one."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(*system_tokens) for _ in range(k)]
-    weights = [hot_weight] + [1.0] * (k - 1)
-    items = []
-    for i, t in enumerate(_arrivals(rng, n, rate)):
-        g = rng.choices(range(k), weights)[0]
-        messages = [
-            {"role": "system", "content": text(f"sys-{seed}-{g}", lengths[g])},
-            {"role": "user", "content": text(f"user-{seed}-{i}", rng.randint(*user_tokens))},
-        ]
-        items.append((t, "chat", _chat(model, messages, max_tokens), f"sys{g}"))
+    `hot_weight` > 1 system prompt 0 gets that many times the traffic of each other one
+    (`simulator.workloads.shared_prompts` as bodies)."""
+    chats = shared_prompts(n, k=k, rate=rate, prompt_tokens=system_tokens, user_tokens=user_tokens,
+                           max_tokens=max_tokens, hot_weight=hot_weight, seed=seed)  # fmt: skip
+    return _bodies(chats, model, n)
+
+
+def _bodies(chats: Sequence[WorkItem], model: str, n: int) -> list[ShapedRequest]:
+    items = [(w.arrival_s, "chat", _chat(model, list(w.messages), w.max_tokens), w.group)
+             for w in chats]  # fmt: skip
     return _finish(items, n)
 
 
@@ -133,7 +125,7 @@ def _documents(
     lengths = [rng.randint(*doc_tokens) for _ in range(docs)]
     weights = [1.0 / (r + 1) ** zipf_s for r in range(docs)]
     items = []
-    for i, t in enumerate(_arrivals(rng, n, rate)):
+    for i, t in enumerate(arrivals(rng, n, rate)):
         d = rng.choices(range(docs), weights)[0]
         doc = text(f"doc-{seed}-{d}", lengths[d])
         question = "Question:" + text(f"q-{seed}-{i}", rng.randint(*question_tokens))
@@ -191,22 +183,11 @@ def multi_turn(
     """Growing chats: each turn resends the system message and the whole history (assistant
     turns are fixed text, not what the engine generated) plus a new user turn. Turns of one
     conversation arrive `think_s` apart, conversations interleave; `rate` is requests/s in steady
-    state (conversations start at rate / turns)."""
-    rng = random.Random(seed)
-    items = []
-    for c, start in enumerate(_arrivals(rng, -(-n // turns), rate / turns)):
-        history: list[dict[str, Any]] = [
-            {"role": "system", "content": text(f"mt-sys-{seed}-{c % systems}", system_tokens)}
-        ]
-        t = start
-        for turn in range(turns):
-            user = text(f"mt-u-{seed}-{c}-{turn}", rng.randint(*user_tokens))
-            history.append({"role": "user", "content": user})
-            items.append((t, "chat", _chat(model, list(history), reply_tokens), f"conv{c}"))
-            reply = text(f"mt-a-{seed}-{c}-{turn}", reply_tokens)
-            history.append({"role": "assistant", "content": reply})
-            t += rng.uniform(*think_s)
-    return _finish(items, n)
+    state (conversations start at rate / turns). `simulator.workloads.multi_turn` as bodies."""
+    chats = multi_turn_chats(-(-n // turns), turns=turns, rate=rate / turns, systems=systems,
+                             system_tokens=system_tokens, user_tokens=user_tokens,
+                             reply_tokens=reply_tokens, think_s=think_s, seed=seed)  # fmt: skip
+    return _bodies(chats, model, n)
 
 
 _TOOLS = ("search", "read_file", "run_tests", "fetch_url")
@@ -249,7 +230,7 @@ def agent(
     the simulator's template does not render)."""
     rng = random.Random(seed)
     items = []
-    for c, start in enumerate(_arrivals(rng, -(-n // turns), rate / turns)):
+    for c, start in enumerate(arrivals(rng, -(-n // turns), rate / turns)):
         history: list[dict[str, Any]] = [
             {"role": "system", "content": text(f"ag-sys-{seed}-{c % systems}", system_tokens)},
             {"role": "user", "content": text(f"ag-task-{seed}-{c}", rng.randint(*task_tokens))},
@@ -295,7 +276,7 @@ def completion_text(
     rng = random.Random(seed)
     lengths = [rng.randint(*prefix_tokens) for _ in range(k)]
     items = []
-    for i, t in enumerate(_arrivals(rng, n, rate)):
+    for i, t in enumerate(arrivals(rng, n, rate)):
         g = rng.randrange(k)
         tail = rng.randint(*suffix_tokens)
         prompt: str | list[int]

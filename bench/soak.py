@@ -42,6 +42,9 @@ import httptools
 import orjson
 import yaml
 
+from bench import verdict
+from simulator.harness import free_port, server_config
+
 TASKS_PATH = "/__soak/tasks"
 KEYS = ("sk-soak-tenant-one-1f2e3d", "sk-soak-tenant-two-4c5b6a")
 SMALL_KEY = "sk-soak-tenant-small-9a8b7c"  # a tenant whose token bucket no huge max_tokens fits
@@ -94,19 +97,8 @@ def serve(config_path: str, loop: str = "uvloop") -> None:
 
     config = load_config(config_path)
     app = TaskProbe(create_app(config))
-    uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.server.host,
-            port=config.server.port,
-            loop=loop,  # type: ignore[arg-type]
-            http="httptools",
-            lifespan="on",
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=2,
-        )  # fmt: skip
-    ).run()
+    cfg = server_config(app, config.server.port, "on", host=config.server.host, loop=loop)
+    uvicorn.Server(cfg).run()
 
 
 # --- the load ------------------------------------------------------------------------------------
@@ -399,7 +391,7 @@ class Soak:
         )
         assert self.upstream.stdout is not None
         ports = json.loads(self.upstream.stdout.readline())["ports"]
-        self.port = _free_port()
+        self.port = free_port()
         cfg = {
             "server": {"host": "127.0.0.1", "port": self.port, "log_level": "warning"},
             "pools": {"chat": {
@@ -599,14 +591,6 @@ class Soak:
             self.stop()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def run_soak(
     requests: int,
     concurrency: int = 32,
@@ -641,11 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(args)
     result = asyncio.run(run_soak(a.requests, a.concurrency, a.warmup, loop=a.loop))
     print(result.table())
-    problems = result.problems()
-    for line in problems:
-        print("PROBLEM:", line)
-    print("OK: no growth, no leak" if not problems else "FAILED")
-    return 1 if problems else 0
+    return verdict(result.problems(), "PROBLEM", "OK: no growth, no leak")
 
 
 if __name__ == "__main__":

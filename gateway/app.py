@@ -18,7 +18,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -27,8 +26,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .budgets import BUSY_RETRY_S, BodyBudget
 from .config import Config
-from .endpoint import BUSY_RETRY_S, BodyBudget, ProxyEndpoint, Receive, Scope, Send, send_error
+from .control_client import get_json
+from .endpoint import ProxyEndpoint, send_error
 from .errors import (
     ConfigRejected,
     GatewayError,
@@ -42,8 +43,9 @@ from .openapi import openapi_document
 from .pipeline import Pipeline
 from .reload import ConfigReloader
 from .runtime import Gateway
-from .status import snapshot
+from .status import status_of
 from .tracing import Tracing
+from .types import Receive, Scope, Send
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -167,15 +169,7 @@ class _ModelList:
         replicas = [r for r in self.gw.all_replicas() if r.available(now)]
 
         async def one(url: str) -> list[dict[str, Any]]:
-            try:
-                async with self.gw.session.get(
-                    url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
-                ) as resp:
-                    if resp.status != 200:
-                        return []
-                    data = orjson.loads(await resp.read())
-            except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError):
-                return []
+            data = await get_json(self.gw.session, url + "/v1/models", timeout_s=2.0)
             cards = data.get("data") if isinstance(data, dict) else None
             return [c for c in cards or [] if isinstance(c, dict) and isinstance(c.get("id"), str)]
 
@@ -218,7 +212,7 @@ def create_app(
         return _json({"decisions": gateway.decisions()})
 
     async def status(request: Request) -> Response:
-        return _json(snapshot(gateway, gateway.window))
+        return _json(status_of(gateway, gateway.window))
 
     async def active_config(request: Request) -> Response:
         version = reloader.version() if reloader is not None else {"source": None, "reloads": 0}

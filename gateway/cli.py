@@ -123,12 +123,32 @@ def serve(
     uvicorn.Server(uvicorn.Config(app, **common)).run()  # type: ignore[arg-type]
 
 
+DEMO_MODULE = "simulator.demo"  # not the gateway's: imported only when `gateway demo` runs
+DEMO_NEEDS = ("simulator", "aiohttp")  # the simulator package and the demo's load client
+
+
+def _demo(argv: Sequence[str]) -> int:
+    import importlib
+
+    try:
+        demo = importlib.import_module(DEMO_MODULE)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in DEMO_NEEDS:
+            raise
+        print(
+            f"gateway demo: needs the simulator package and aiohttp, and {missing} is not "
+            "installed (pip install 'kvgateway[demo]')",
+            file=sys.stderr,
+        )
+        return 2
+    return int(demo.main(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
-        from .demo import main as demo_main
-
-        return demo_main(argv[1:])
+        return _demo(argv[1:])
     args = _parser().parse_args(argv)
     command = args.command or "serve"
     if command == "serve" and not args.config:

@@ -12,65 +12,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
+from .budgets import BodyBudget
 from .errors import (
     BadRequest,
     GatewayError,
     PayloadTooLarge,
     RequestTimeout,
-    ServerBusy,
     error_body,
 )
 from .openai import Kind
-from .pipeline import Ctx, Pipeline
+from .pipeline import Pipeline, RawHeaders
+from .record import Record
+from .snapshot import Snapshot
 from .tenants import Tenant
+from .types import Message, Receive, Scope, Send
 
 log = logging.getLogger("gateway")
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 WATCH_AFTER_S = 0.02  # a client that leaves is noticed within this long (then at once)
 DRAIN_BYTES = 1 << 20  # an over-limit body this close to the limit is read and dropped, see below
 REFUSED_DRAIN_S = 1.0  # the most time spent dropping the body of a request refused before it
-BUSY_RETRY_S = 1.0  # Retry-After of a 503 for full request slots or body bytes
 
 
 class ClientGone(Exception):
     """The client disconnected before its request body was read."""
-
-
-class BodyBudget:
-    """Bytes of request bodies held right now, all requests together, against one cap
-    (`server.max_body_bytes_in_flight`, read per request so a reload applies at once).
-
-    A body's bytes are charged as they arrive and stay charged until its request ends (the
-    pipeline keeps the body for retries); `release` gives them back.
-    """
-
-    __slots__ = ("held",)
-
-    def __init__(self) -> None:
-        self.held = 0
-
-    def check(self, n: int, cap: int | None) -> None:
-        """503 unless `n` more bytes fit under `cap` now."""
-        if cap is not None and self.held + n > cap:
-            raise ServerBusy(
-                f"The gateway holds its limit of {cap} bytes of request bodies; retry shortly",
-                code="body_bytes_in_flight",
-                retry_after=BUSY_RETRY_S,
-            )
-
-    def take(self, n: int, cap: int | None) -> None:
-        self.check(n, cap)
-        self.held += n
-
-    def release(self, n: int) -> None:
-        self.held -= n
 
 
 def declared_length(scope: Scope) -> int:
@@ -118,7 +84,7 @@ async def read_body(
                     msg = await receive()
                     if msg["type"] == "http.disconnect":
                         raise ClientGone
-                    chunk = msg.get("body", b"")
+                    chunk: bytes = msg.get("body", b"")
                     size += len(chunk)
                     more = msg.get("more_body", False)
                     if size > limit:
@@ -201,23 +167,25 @@ class ProxyEndpoint:
 
     async def refuse(self, send: Send, exc: GatewayError) -> None:
         """Answer `exc` without reading the body (full request slots), recorded like any request."""
-        await self.pipeline.finish(Ctx(time.perf_counter_ns()), exc)
+        snap = self.pipeline.gw.current
+        await self.pipeline.finish(snap, Record(time.perf_counter_ns(), snapshot=snap.version), exc)
         await send_error(send, exc, close=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ctx = Ctx(time.perf_counter_ns())
         pipeline = self.pipeline
+        snap = pipeline.gw.current  # the one snapshot this request runs on, start to end
+        rec = Record(time.perf_counter_ns(), snapshot=snap.version)
         headers = dict(scope["headers"])
         tracing = pipeline.gw.tracing
         if tracing.enabled:
-            ctx.trace = tracing.start(headers, time.time_ns())
-        server = pipeline.gw.config.server
+            rec.trace = tracing.start(headers, time.time_ns())
+        server = snap.config.server
         try:
             # the key first: a client without one gets no memory and no time for its body
-            tenant = pipeline.gw.tenants.identify(headers.get(b"authorization"))
-            ctx.tenant = tenant.name
+            tenant = snap.tenants.identify(headers.get(b"authorization"))
+            rec.tenant = tenant.name
         except GatewayError as exc:
-            await pipeline.finish(ctx, exc)
+            await pipeline.finish(snap, rec, exc)
             read = await discard_body(scope, receive, min(REFUSED_DRAIN_S, server.body_timeout_s))
             await send_error(send, exc, close=not read)
             return
@@ -231,32 +199,26 @@ class ProxyEndpoint:
                 server.max_body_bytes_in_flight,
             )
         except ClientGone:
-            ctx.outcome = "client_disconnected"
-            await pipeline.finish(ctx, None)
+            rec.outcome = "client_disconnected"
+            await pipeline.finish(snap, rec, None)
             return
         except GatewayError as exc:  # 413, 408, 503 or a bad Content-Length: the rest is unread
-            await pipeline.finish(ctx, exc)
+            await pipeline.finish(snap, rec, exc)
             await send_error(send, exc, close=True)
             return
         try:
-            await self._handle(scope, receive, send, raw, headers, tenant, ctx)
+            await self._handle(snap, scope, receive, send, raw, headers, tenant, rec)
         finally:
             self.bodies.release(len(raw))
 
     async def _handle(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        raw: bytes,
-        headers: dict[bytes, bytes],
-        tenant: Tenant,
-        ctx: Ctx,
-    ) -> None:
+        self, snap: Snapshot, scope: Scope, receive: Receive, send: Send, raw: bytes,
+        headers: RawHeaders, tenant: Tenant, rec: Record,
+    ) -> None:  # fmt: skip
         pipeline = self.pipeline
         started = False
 
-        async def tracked_send(message: MutableMapping[str, Any]) -> None:
+        async def tracked_send(message: Message) -> None:
             nonlocal started
             started = True
             await send(message)
@@ -278,7 +240,7 @@ class ProxyEndpoint:
         )
         error: GatewayError | None = None
         try:
-            await pipeline.handle(self.kind, raw, headers, tenant, tracked_send, ctx)
+            await pipeline.handle(snap, self.kind, raw, headers, tenant, tracked_send, rec)
         except GatewayError as exc:
             error = exc
             if not started:
@@ -287,7 +249,7 @@ class ProxyEndpoint:
             if not state["gone"]:
                 raise
             task.uncancel()
-            ctx.outcome, ctx.error_type = "client_disconnected", "client_disconnected"
+            rec.outcome, rec.error_type = "client_disconnected", "client_disconnected"
         except Exception:
             log.exception("unexpected error on %s", scope.get("path"))
             error = GatewayError("Internal gateway error")
@@ -298,4 +260,4 @@ class ProxyEndpoint:
             timer.cancel()
             for w in watchers:
                 w.cancel()
-        await pipeline.finish(ctx, error)
+        await pipeline.finish(snap, rec, error)

@@ -14,10 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
+import httpx
 
 from prefix_index.chunking import scope_key
 from prefix_index.events import EventDecodeError, KvEventApplier, decode_batch
+
+from .control_client import post_json
 
 log = logging.getLogger("gateway.kv_subscriber")
 
@@ -201,8 +203,7 @@ class KvEvents:
 
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
-        if hasattr(index, "set_precise"):
-            index.set_precise(replica)
+        index.set_precise(replica)
         applier = KvEventApplier(index, chunker, _scopes(model), replica)
         sub = KvEventSubscriber(replica, pub_url, replay_url, applier, self._ctx)
         self.subscribers[replica] = sub
@@ -233,36 +234,29 @@ def _scopes(model: str | None) -> Callable[[str | None], str | None]:
 
 
 async def check_parity(
-    session: aiohttp.ClientSession, url: str, model: str | None, chunker: Any
+    client: httpx.AsyncClient, url: str, model: str | None, chunker: Any
 ) -> bool | None:
     """Does the engine tokenize as the gateway does? A completion probe against
     `chunker.encode`, then a chat probe against `chunker.chat_prompt` (the chat template).
     None when the replica cannot say; a replica that tokenizes no chats is judged on the first."""
-    text = await _tokenize(session, url, model, {"prompt": PARITY_PROBE})
+    text = await _tokenize(client, url, model, {"prompt": PARITY_PROBE})
     if text is None:
         return None
     if text != list(chunker.encode(PARITY_PROBE)):
         return False
     chat = await _tokenize(
-        session, url, model, {"messages": PARITY_CHAT, "add_generation_prompt": True}
+        client, url, model, {"messages": PARITY_CHAT, "add_generation_prompt": True}
     )
     return True if chat is None else chat == list(chunker.chat_prompt(PARITY_CHAT))
 
 
 async def _tokenize(
-    session: aiohttp.ClientSession, url: str, model: str | None, body: dict[str, Any]
+    client: httpx.AsyncClient, url: str, model: str | None, body: dict[str, Any]
 ) -> list[int] | None:
+    """The engine's token ids for `body` (`/tokenize`); None when it cannot say."""
     if model:
         body = {**body, "model": model}
-    try:
-        async with session.post(
-            url + "/tokenize", json=body, timeout=aiohttp.ClientTimeout(total=5)
-        ) as res:
-            if res.status != 200:
-                return None
-            data = await res.json()
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
+    data = await post_json(client, url + "/tokenize", body, timeout_s=5)
     tokens = data.get("tokens") if isinstance(data, dict) else None
     if not isinstance(tokens, list):
         return None

@@ -222,9 +222,8 @@ class _IndexCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         index, events, parity = self._state()
-        stats_now = getattr(index, "stats_now", None)
-        if stats_now is not None:
-            st = stats_now()
+        st = None if index is None else index.stats_now()  # None: the backend has no cheap one
+        if st is not None:
             blocks = GaugeMetricFamily(
                 "gateway_index_blocks",
                 "Blocks the prefix index holds per replica, by source (routed: learned from routing; engine: reported by KV events).",

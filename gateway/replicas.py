@@ -12,16 +12,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import aiohttp
+import httpx
 
 from policies.types import ReplicaView
 
 from .config import HealthConfig, PoolConfig, ReplicaConfig, ScrapeConfig
+from .control_client import CONTROL_ERRORS, fetch, status_of
 from .scrape import LoadSample, parse_metrics
 
 log = logging.getLogger("gateway.replicas")
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+# a scrape that fails: no answer, or one that is not text in its charset (decoded strictly)
+_SCRAPE_ERRORS: tuple[type[BaseException], ...] = (*CONTROL_ERRORS, UnicodeDecodeError, LookupError)
 
 
 @dataclass(slots=True)
@@ -118,8 +121,12 @@ class ReplicaState:
         return True
 
     def available(self, now: float) -> bool:
-        """May take requests: not draining, circuit not open (a half-open one takes trials)."""
-        return not self.draining and self.circuit.current(now) != OPEN
+        """May take requests: circuit not open (a half-open one takes trials).
+
+        A replica a change removed (`draining`) is in no new snapshot, so no new request sees it;
+        requests that hold an older snapshot, queued before the change, may still be sent to it.
+        """
+        return self.circuit.current(now) != OPEN
 
     def proven(self, now: float) -> bool:
         """Known good: not draining and circuit closed (what /ready and replica_up report)."""
@@ -137,7 +144,6 @@ class ReplicaState:
             pool=self.pool,
             healthy=self.circuit.current(now) != OPEN,
             circuit=self.circuit.state,
-            draining=self.draining,
             models=self.models,
             inflight=self.inflight,
             inflight_prompt_tokens=self.inflight_prompt_tokens,
@@ -185,17 +191,18 @@ class ReplicaState:
 
 
 class ReplicaMonitor:
-    """Background health probes and `/metrics` scrapes for one replica."""
+    """Background health probes and `/metrics` scrapes for one replica, on the gateway's control
+    client (`control_client.open_control_client`); each request is bounded by its `timeout_s`."""
 
     def __init__(
         self,
         replica: ReplicaState,
-        session: aiohttp.ClientSession,
+        client: httpx.AsyncClient,
         health: HealthConfig,
         scrape: ScrapeConfig,
     ) -> None:
         self.replica = replica
-        self.session = session
+        self.client = client
         self.health = health
         self.scrape = scrape
         self._tasks: list[asyncio.Task[None]] = []
@@ -219,13 +226,11 @@ class ReplicaMonitor:
     async def probe_once(self) -> bool:
         r = self.replica
         try:
-            async with self.session.get(
-                r.url + self.health.path,
-                timeout=aiohttp.ClientTimeout(total=self.health.timeout_s),
-            ) as resp:
-                await resp.read()
-                ok = resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
+            status = await status_of(
+                self.client, r.url + self.health.path, timeout_s=self.health.timeout_s
+            )
+            ok = status == 200
+        except CONTROL_ERRORS:
             ok = False
         if ok:
             r.succeeded()
@@ -236,16 +241,16 @@ class ReplicaMonitor:
     async def scrape_once(self) -> LoadSample | None:
         r = self.replica
         try:
-            async with self.session.get(
-                r.url + self.scrape.path,
-                timeout=aiohttp.ClientTimeout(total=self.scrape.timeout_s),
-            ) as resp:
-                if resp.status != 200:
-                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError) as exc:
+            reply = await fetch(
+                self.client, "GET", r.url + self.scrape.path, timeout_s=self.scrape.timeout_s
+            )
+            text = reply.text() if reply.status == 200 else None
+            why = f"HTTP {reply.status}"
+        except _SCRAPE_ERRORS as exc:
+            text, why = None, type(exc).__name__
+        if text is None:
             if not self._scrape_failing:
-                log.warning("replica %s: metrics scrape failing (%s)", r.name, type(exc).__name__)
+                log.warning("replica %s: metrics scrape failing (%s)", r.name, why)
                 self._scrape_failing = True
             return None
         if self._scrape_failing:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from policies.types import Decision, Outcome, ReplicaView, RoutedRequest
 from prefix_index.chunking import scope_key
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from prefix_index.base import PrefixIndex
     from prefix_index.chunking import Chunker
 
+    from .pools import Pool
     from .replicas import ReplicaState
-    from .runtime import Pool
 
 
 class Routing:
@@ -64,39 +64,47 @@ def cache_salt(req: ParsedRequest, tenant_salt: str | None) -> str | None:
     return tenant_salt if client is None else f"{tenant_salt}/{client}"
 
 
+class Prompt(NamedTuple):
+    """The prompt as the engine sees it (text or ids), its estimated tokens, and the ns the
+    rendering took (counted in the hash stage)."""
+
+    text: str | Sequence[int]
+    tokens: int
+    render_ns: int
+
+
 class Router:
     """Hash, match and choose, each timed; `dispatch` counts the winner.
 
-    `chunker` and `index` are read through `source` on every call: a reload or the tokens-mode
-    fallback swaps them on the Gateway, and the router follows.
+    One router per snapshot: its chunker and index are the snapshot's (a reload or the
+    tokens-mode fallback makes a new snapshot, and so a new router).
     """
 
-    __slots__ = ("source",)
+    __slots__ = ("chunker", "index")
 
-    def __init__(self, source: _Source) -> None:
-        self.source = source
+    def __init__(self, chunker: Chunker, index: PrefixIndex | None) -> None:
+        self.chunker = chunker
+        self.index = index
 
     # --- hash ------------------------------------------------------------------------------
-    def prompt(self, req: ParsedRequest) -> tuple[str | Sequence[int], int, int]:
-        """The prompt as the engine sees it (text or ids), its estimated tokens, and the ns
-        this took (counted in the hash stage)."""
+    def prompt(self, req: ParsedRequest) -> Prompt:
         t0 = time.perf_counter_ns()
-        chunker = self.source.chunker
+        chunker = self.chunker
         prompt = prompt_of(req, chunker)
         tokens = chunker.estimate_tokens(prompt) if isinstance(prompt, str) else len(prompt)
-        return prompt, tokens, time.perf_counter_ns() - t0
+        return Prompt(prompt, tokens, time.perf_counter_ns() - t0)
 
     def prepare(
         self,
         req: ParsedRequest,
         pool: Pool,
         inp: RouteInput,
-        prompt: tuple[str | Sequence[int], int, int],
+        prompt: Prompt,
     ) -> Routing:
         """Scope and block hashes of `prompt` (none when the pool's policy ignores them)."""
         t0 = time.perf_counter_ns()
         text, tokens, render_ns = prompt
-        chunker = self.source.chunker
+        chunker = self.chunker
         scope = scope_key(req.model, salt=cache_salt(req, inp.tenant_salt))
         hashes: list[int] = []
         if pool.policy.needs_prefix:
@@ -124,7 +132,7 @@ class Router:
     async def match(self, pool: Pool, routing: Routing) -> None:
         """Ask the index which replica holds the longest run of the chain (outside admission)."""
         t0 = time.perf_counter_ns()
-        index = self.source.index
+        index = self.index
         routed = routing.routed
         routing.epoch = pool.dispatches
         if routed.block_hashes and index is not None:
@@ -151,11 +159,10 @@ class Router:
         """The match again from what this process knows without a round trip (the memory index,
         or the Redis backend's local view of this gateway's own writes), merged with the first
         answer: a request that waited in admission behind a burst on its prefix sees the burst."""
-        routed = routing.routed
-        local = getattr(self.source.index, "match_local", None)
-        if not routed.block_hashes or local is None:
+        routed, index = routing.routed, self.index
+        if not routed.block_hashes or index is None:
             return routing.hits
-        fresh = local(routed.scope, routed.block_hashes, [r.name for r in pool.replicas])
+        fresh = index.match_local(routed.scope, routed.block_hashes, [r.name for r in pool.replicas])
         if fresh is None:
             return routing.hits
         old = routing.hits
@@ -173,16 +180,9 @@ class Router:
         local view take it before this returns, so the next request of a burst sees it)."""
         view = next(v for v in routing.views if v.name == name)
         pool.dispatches += 1
-        d = Dispatch(self.source.index, pool, pool.by_name[name], view, routing.routed)
+        d = Dispatch(self.index, pool, pool.by_name[name], view, routing.routed)
         await d.record()
         return d
-
-
-class _Source:
-    """What the router reads its parts from (the Gateway, or a benchmark's stand-in)."""
-
-    chunker: Chunker
-    index: PrefixIndex | None
 
 
 def prompt_of(req: ParsedRequest, chunker: Chunker) -> str | Sequence[int]:
@@ -192,7 +192,7 @@ def prompt_of(req: ParsedRequest, chunker: Chunker) -> str | Sequence[int]:
     prompt = req.prompt
     if isinstance(prompt, list) and isinstance(prompt[0], list | str):
         prompt = prompt[0]  # a batch: route by its first prompt
-    return prompt
+    return cast("str | Sequence[int]", prompt)  # parse_body checked its shape
 
 
 class Dispatch:
@@ -232,10 +232,7 @@ class Dispatch:
         routed, index = self.routed, self.index
         if index is None or not routed.block_hashes:
             return
-        nowait = getattr(index, "record_nowait", None)
-        if nowait is not None:
-            nowait(routed.scope, self.replica.name, routed.block_hashes)
-        else:
+        if not index.record_nowait(routed.scope, self.replica.name, routed.block_hashes):
             await index.record(routed.scope, self.replica.name, routed.block_hashes)
 
     def prefilled(self) -> None:

@@ -16,7 +16,7 @@ from .window import RollingWindow
 DECISIONS = 50  # routing decisions included, newest last
 
 
-def snapshot(gateway: Gateway, window: RollingWindow | None) -> dict[str, Any]:
+def status_of(gateway: Gateway, window: RollingWindow | None) -> dict[str, Any]:
     now = time.monotonic()
     series = window.series() if window is not None else None
     recent: dict[str, dict[str, Any]] = series["replicas"] if series is not None else {}

@@ -1,5 +1,8 @@
 """The three plugin interfaces (Filter, Scorer, Picker) and the engine that composes them (Policy).
 
+Besides its one method each plugin has a `name` and two optional capabilities with defaults
+(`needs_prefix`, `observe`; a Scorer also a `reason`), declared on the Protocols below.
+
 The score contract, stated once: a Scorer returns a number in [0, 1] per replica name, higher is
 better, and never sees its weight. The engine clamps every score to [0, 1] (NaN and missing names
 count 0), multiplies by the scorer's weight, sums, and hands the totals to the Picker.
@@ -24,11 +27,29 @@ ONLY_CANDIDATE = "only_candidate"
 NO_CANDIDATES = "no_candidates"
 
 
-@runtime_checkable
-class Filter(Protocol):
-    """Removes replicas that must not get this request."""
+class Plugin(Protocol):
+    """What every plugin has besides its one method: a name and two optional capabilities.
+
+    Subclass Filter, Scorer or Picker explicitly to inherit the defaults below; a plugin that
+    only matches structurally gets them filled in by `build_policy`, which logs what it assumed.
+    """
 
     name: str
+
+    # Whether the plugin needs `ReplicaView.hit_blocks` and `RoutedRequest.block_hashes`. When no
+    # plugin a policy asks needs them, the gateway neither hashes the prompt nor queries the
+    # index: block_hashes is empty and every hit_blocks 0. Default False (the cheap one); declare
+    # True if the plugin cannot do its job without them.
+    needs_prefix: bool = False
+
+    def observe(self, outcome: Outcome) -> None:
+        """Learn from what happened to a routed request. Default: nothing (not a learner)."""
+        return None
+
+
+@runtime_checkable
+class Filter(Plugin, Protocol):
+    """Removes replicas that must not get this request."""
 
     def keep(self, req: RoutedRequest, view: ReplicaView) -> str | None:
         """None to keep the replica, else a short reason it is removed."""
@@ -36,19 +57,20 @@ class Filter(Protocol):
 
 
 @runtime_checkable
-class Scorer(Protocol):
+class Scorer(Plugin, Protocol):
     """Judges each candidate in [0, 1], higher is better. May omit names (they score 0)."""
 
-    name: str
+    @property
+    def reason(self) -> str:
+        """What a Decision says when this scorer put the winner ahead. Default: its name."""
+        return self.name
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]: ...
 
 
 @runtime_checkable
-class Picker(Protocol):
+class Picker(Plugin, Protocol):
     """Orders the candidates, best first, and says why the first one won."""
-
-    name: str
 
     def pick(
         self, req: RoutedRequest, views: Sequence[ReplicaView], totals: dict[str, float]
@@ -57,9 +79,15 @@ class Picker(Protocol):
 
 @runtime_checkable
 class Learner(Protocol):
-    """Any plugin that learns from what happened to routed requests."""
+    """Any plugin that learns from what happened to routed requests (overrides `observe`)."""
 
     def observe(self, outcome: Outcome) -> None: ...
+
+
+def learns(plugin: Plugin) -> bool:
+    """Whether `plugin` has an `observe` of its own, not the default that does nothing."""
+    method = plugin.observe
+    return getattr(method, "__func__", method) is not Plugin.observe
 
 
 class Policy:
@@ -67,9 +95,21 @@ class Policy:
 
     `scorers` pairs each scorer with its weight (finite, >= 0). A zero-weight scorer is not asked
     to score (it costs nothing) but still observes outcomes, so a learner can warm up in shadow.
+    Every plugin has its Protocol's capabilities (subclass it, or build through `build_policy`,
+    which fills them in); `needs_prefix` is True when any plugin asked (filters, scorers with a
+    weight, the picker) needs the prefix.
     """
 
-    __slots__ = ("name", "filters", "scorers", "picker", "needs_prefix", "_keeps", "_active", "_learners")
+    __slots__ = (
+        "name",
+        "filters",
+        "scorers",
+        "picker",
+        "needs_prefix",
+        "_keeps",
+        "_active",
+        "_learners",
+    )
 
     def __init__(
         self,
@@ -93,15 +133,12 @@ class Policy:
         self.scorers = tuple((s, float(w)) for s, w in scorers)
         self.picker = picker
         self._keeps = tuple(f.keep for f in self.filters)
-        self._active = tuple(
-            (s.name, s, w, getattr(s, "reason", s.name)) for s, w in self.scorers if w > 0
-        )
-        # whether any plugin reads hit_blocks; one that does not say counts as reading them
-        self.needs_prefix = any(
-            getattr(p, "needs_prefix", True) for p in (picker, *(s for _, s, _, _ in self._active))
-        )
-        plugins: list[object] = [*self.filters, *(s for s, _ in self.scorers), picker]
-        self._learners = tuple(p for p in plugins if callable(getattr(p, "observe", None)))
+        self._active = tuple((s.name, s, w, s.reason) for s, w in self.scorers if w > 0)
+        # a zero-weight scorer is never asked, so what it would read costs nothing
+        asked: tuple[Plugin, ...] = (*self.filters, *(s for _, s, _, _ in self._active), picker)
+        self.needs_prefix = any(p.needs_prefix for p in asked)
+        plugins: tuple[Plugin, ...] = (*self.filters, *(s for s, _ in self.scorers), picker)
+        self._learners = tuple(p for p in plugins if learns(p))
 
     def __repr__(self) -> str:
         weights = ", ".join(f"{s.name}={w:g}" for s, w in self.scorers)
@@ -189,4 +226,4 @@ class Policy:
     def observe(self, outcome: Outcome) -> None:
         """Feed what happened to a routed request to every plugin that learns."""
         for plugin in self._learners:
-            plugin.observe(outcome)  # type: ignore[attr-defined]
+            plugin.observe(outcome)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from policies.base import Picker
 from policies.types import ReplicaView, RoutedRequest
 
 
-class RoundRobinPicker:
+class RoundRobinPicker(Picker):
     name = "round_robin"
-    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
 
     def __init__(self) -> None:
         self._next = 0
@@ -31,9 +31,8 @@ class RoundRobinPicker:
         return names[i:] + names[:i], "round_robin"
 
 
-class LeastLoadedPicker:
+class LeastLoadedPicker(Picker):
     name = "least_loaded"
-    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
 
     def __init__(self, *, rng: random.Random | None = None) -> None:
         self._rng = rng if rng is not None else random.Random()
@@ -45,9 +44,8 @@ class LeastLoadedPicker:
         return [k[2] for k in sorted((v.load, rand(), v.name) for v in views)], "load"
 
 
-class RandomPicker:
+class RandomPicker(Picker):
     name = "random"
-    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
 
     def __init__(self, *, rng: random.Random | None = None) -> None:
         self._rng = rng if rng is not None else random.Random()

@@ -5,10 +5,11 @@ Pool selection happens in the gateway before a policy runs: every view passed in
 
 from __future__ import annotations
 
+from policies.base import Filter
 from policies.types import ReplicaView, RoutedRequest
 
 
-class Healthy:
+class Healthy(Filter):
     """Keeps replicas that pass health checks, are not draining and whose circuit is not open.
 
     A half-open circuit is kept: its trial requests are how the circuit closes again.
@@ -28,7 +29,7 @@ class Healthy:
         return "circuit open"
 
 
-class ServesModel:
+class ServesModel(Filter):
     """Keeps replicas whose model list is empty (serves the pool's model) or names the request's.
 
     Config:
@@ -44,7 +45,7 @@ class ServesModel:
         return f"does not serve model {req.model!r}"
 
 
-class NotSaturated:
+class NotSaturated(Filter):
     """Keeps replicas with a free slot: gateway in-flight count below `max_inflight`.
 
     When every replica is full the decision has no candidates; the gateway's admission queue

@@ -1,20 +1,22 @@
 """Every plugin and preset by name in one table, and `build_policy` that turns a spec into a Policy.
 
 A name not in the table may be a ``"module:attr"`` path. Adding a scorer is one module plus one
-line in TABLE["scorer"].
+line in TABLE["scorer"]. A plugin from such a path that matches its Protocol only structurally
+gets the optional capabilities it does not declare filled in (see `_conform`), with a warning.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import math
 import random
 from collections.abc import Mapping
-from types import MappingProxyType
+from types import MappingProxyType, MethodType
 from typing import Any
 
-from policies.base import Filter, Picker, Policy, Scorer
+from policies.base import Filter, Picker, Plugin, Policy, Scorer
 from policies.errors import PolicyConfigError
 from policies.pickers.max_score import LoadGuard
 
@@ -67,6 +69,8 @@ DEFAULT_POLICY = "ttft"  # picked by bench/routing.py (most goals met); README, 
 DEFAULT_FILTERS: tuple[str, ...] = ("healthy", "serves_model", "not_saturated")
 SPEC_KEYS: tuple[str, ...] = ("name", "preset", "filters", "scorers", "picker", "guard")
 _METHOD = {"filter": "keep", "scorer": "score", "picker": "pick"}
+_PROTOCOL = {"filter": "Filter", "scorer": "Scorer", "picker": "Picker"}
+_log = logging.getLogger(__name__)
 
 
 def build_policy(spec: str | Mapping[str, Any], *, seed: int | None = None) -> Policy:
@@ -238,4 +242,60 @@ def _construct(
         raise PolicyConfigError(
             f"{where}: {name!r} is not a {kind} (needs a str `name` and a `{method}` method)"
         )
+    _conform(plugin, kind, name, where)
     return plugin
+
+
+def _conform(plugin: Any, kind: str, name: str, where: str) -> None:
+    """Check the optional capabilities of `plugin`; give it those it does not declare, and say so.
+
+    A plugin that subclasses its Protocol has them all. One that only matches structurally is
+    taken to need the prefix (needs_prefix=True, unlike the Protocols' cheap default: it may read
+    hit_blocks, and given zeros it would route wrongly without a sign), to give its name as its
+    reason, and to learn nothing. Either of the first two is logged as a warning.
+    """
+    assumed: dict[str, object] = {}
+    if not hasattr(plugin, "needs_prefix"):
+        assumed["needs_prefix"] = True
+    elif not isinstance(plugin.needs_prefix, bool):
+        raise PolicyConfigError(
+            f"{where}: needs_prefix of {name!r} must be a bool, got {plugin.needs_prefix!r}"
+        )
+    if kind == "scorer":
+        if not hasattr(plugin, "reason"):
+            assumed["reason"] = plugin.name
+        elif not isinstance(plugin.reason, str):
+            raise PolicyConfigError(
+                f"{where}: reason of {name!r} must be a str, got {plugin.reason!r}"
+            )
+    if not hasattr(plugin, "observe"):
+        assumed["observe"] = MethodType(Plugin.observe, plugin)
+    elif not callable(plugin.observe):
+        raise PolicyConfigError(f"{where}: observe of {name!r} must be a method")
+    if not assumed:
+        return
+    protocol = f"policies.{_PROTOCOL[kind]}"
+    for attr, value in assumed.items():
+        try:
+            setattr(plugin, attr, value)
+        except (AttributeError, TypeError):
+            raise PolicyConfigError(
+                f"{where}: {name!r} does not declare `{attr}` and takes no attribute; "
+                f"declare it or subclass {protocol}"
+            ) from None
+    if set(assumed) == {"observe"}:
+        return  # without the method it cannot learn: nothing was assumed
+    said = {
+        "needs_prefix": "needs_prefix=True (the prompt is hashed and the index asked for every "
+        "request; declare needs_prefix = False if it never reads hit_blocks or block_hashes)",
+        "reason": f"reason={plugin.name!r}",
+        "observe": "it learns nothing from outcomes",
+    }
+    _log.warning(
+        "%s: %r does not declare %s; assumed %s. Subclass %s to declare them.",
+        where,
+        name,
+        ", ".join(assumed),
+        "; ".join(said[attr] for attr in assumed),
+        protocol,
+    )

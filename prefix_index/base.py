@@ -15,6 +15,10 @@ class PrefixIndex(Protocol):
     `replicas`, how many *leading* blocks of the chain it holds (0 when none). Implementations
     never raise on a backend outage: they degrade (answer zeros, drop writes), log once, and
     recover by themselves.
+
+    The five coroutines are the contract. The plain methods after them are optional
+    capabilities with defaults that do nothing, so a caller never probes for them: a backend
+    that subclasses PrefixIndex inherits the defaults and overrides what it can do.
     """
 
     async def match(
@@ -28,6 +32,35 @@ class PrefixIndex(Protocol):
     async def forget(self, replica: str) -> None: ...
 
     async def aclose(self) -> None: ...
+
+    # -- optional capabilities ------------------------------------------------------------------
+
+    def record_nowait(self, scope: str, replica: str, hashes: Sequence[int]) -> bool:
+        """`record` without awaiting: True when the write was taken (done, or queued; a later
+        `match_local` sees it), False when the caller must await `record`. Default: False."""
+        return False
+
+    def match_local(
+        self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
+    ) -> dict[str, int] | None:
+        """`match` from what this process knows, without a round trip; None when it knows
+        nothing of its own (the default)."""
+        return None
+
+    def set_capacity(self, replica: str, blocks: int) -> None:
+        """Capacity of one replica in blocks (per scope). Default: ignored (the index-wide
+        capacity applies)."""
+        return None
+
+    def set_precise(self, replica: str, precise: bool = True) -> None:
+        """Mark a replica whose engine reports its blocks (see EngineEventSink). Default:
+        ignored (the backend takes no engine reports)."""
+        return None
+
+    def stats_now(self) -> IndexStats | None:
+        """A snapshot without awaiting, for a metrics scrape; None (the default) when taking one
+        would need I/O (`stats`, where a backend has it, awaits)."""
+        return None
 
 
 @runtime_checkable

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 from prefix_index.base import EngineEventSink
 
@@ -156,10 +156,10 @@ def _event(item: Any) -> KvEvent | None:
             return None
         fields = dict(zip(names, item[1:], strict=False))
     elif isinstance(item, dict):
-        tag = item.get("type")
-        if tag not in _LEGACY_FIELDS:
+        kind = item.get("type")
+        if not isinstance(kind, str) or kind not in _LEGACY_FIELDS:
             return None
-        fields = item
+        tag, fields = kind, item
     else:
         return None
     if tag == "BlockStored":
@@ -194,7 +194,7 @@ def _event(item: Any) -> KvEvent | None:
     return AllBlocksCleared()
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from itertools import accumulate, repeat, takewhile
 from operator import and_
 
-from prefix_index.base import IndexStats
+from prefix_index.base import EngineEventSink, IndexStats, PrefixIndex
 from prefix_index.constants import (
     DEFAULT_CAPACITY_BLOCKS,
     DEFAULT_ENGINE_CAPACITY_BLOCKS,
@@ -53,7 +53,7 @@ class _Scope:
         self.used = 0  # ms of the last record into the scope (its place in the scope LRU)
 
 
-class MemoryIndex:
+class MemoryIndex(PrefixIndex, EngineEventSink):
     """An in-process PrefixIndex.
 
     `capacity_blocks` bounds what one replica holds in one scope; `ttl_s` (None: no TTL) ages
@@ -107,7 +107,7 @@ class MemoryIndex:
         self.bound_evicted = 0
         self._scopes: OrderedDict[str, _Scope] = OrderedDict()  # least recently recorded first
         self._slots: dict[str, int] = {}  # replica -> bit position
-        self._names: list[str | None] = []  # bit position -> replica
+        self._names: list[str] = []  # bit position -> replica ("" while the slot is free)
         self._free: list[int] = []
 
     # -- the contract -------------------------------------------------------------------------
@@ -140,9 +140,10 @@ class MemoryIndex:
 
     # -- the same, synchronous (for callers that are not coroutines) --------------------------
 
-    def record_nowait(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
-        """`record` without awaiting (the router's write at dispatch)."""
+    def record_nowait(self, scope: str, replica: str, hashes: Sequence[int]) -> bool:
+        """`record` without awaiting (the router's write at dispatch): done, so True."""
         self.record_now(scope, replica, hashes)
+        return True
 
     def match_local(
         self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
@@ -211,7 +212,7 @@ class MemoryIndex:
         for group, depth in found:
             while group:
                 low = group & -group
-                result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
+                result[names[low.bit_length() - 1]] = depth
                 group ^= low
         if st.holes:
             self._clip_at_holes(st, hashes, result)
@@ -235,8 +236,12 @@ class MemoryIndex:
         while group:
             low = group & -group
             group ^= low
-            depth = bisect_left(runs, True, 2, end, key=lambda m, b=low: not m & b) - 1
-            name: str = names[low.bit_length() - 1]  # type: ignore[assignment]
+
+            def lacks(m: int, b: int = low) -> bool:
+                return not m & b
+
+            depth = bisect_left(runs, True, 2, end, key=lacks) - 1
+            name = names[low.bit_length() - 1]
             if result[name] < depth:
                 result[name] = depth
 
@@ -322,7 +327,7 @@ class MemoryIndex:
                 self._grow(st, -len(held))
                 for h in held:
                     self._clear(st.etable, h, bit)
-        self._names[slot] = None
+        self._names[slot] = ""
         self._free.append(slot)
         self._drop_empty_scopes()
 

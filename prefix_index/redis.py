@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from prefix_index import _lua
 from prefix_index._fastlane import FastLane, pack_chain
 from prefix_index._writes import Write, WriteQueue
-from prefix_index.base import IndexStats
+from prefix_index.base import IndexStats, PrefixIndex
 from prefix_index.constants import (
     DEFAULT_CAPACITY_BLOCKS,
     DEFAULT_LOCAL_CACHE_S,
@@ -88,7 +88,7 @@ class RedisTuning:
     idle_connections: int = 32  # match connections kept open between calls
 
 
-class RedisIndex:
+class RedisIndex(PrefixIndex):
     """A PrefixIndex in Redis, shared by every gateway that uses the same url and namespace.
 
     `capacity_blocks` per replica and scope, `ttl_s` (None: entries never age out), `namespace`
@@ -257,12 +257,14 @@ class RedisIndex:
         if write is not None:
             await self._write(scope, write)
 
-    def record_nowait(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
+    def record_nowait(self, scope: str, replica: str, hashes: Sequence[int]) -> bool:
         """`record` queued without waiting for Redis (the local view has it at once): the
-        router's write at dispatch, which must not hold a pool's admission turn."""
+        router's write at dispatch, which must not hold a pool's admission turn. Always taken
+        (True): queued (buffered while Redis is out), or nothing to write (no hashes, closed)."""
         write = self._record_write(scope, replica, hashes)
         if write is not None:
             self._write_nowait(scope, write)
+        return True
 
     def _record_write(self, scope: str, replica: str, hashes: Sequence[int]) -> Write | None:
         if not hashes or self._closed:
@@ -438,7 +440,7 @@ class RedisIndex:
         ns = self.namespace
         scopes_of = replica_scopes_key(ns, replica)
         for sid in await self._redis().smembers(scopes_of):
-            keys = ScopeKeys.from_sid(ns, sid.decode())
+            keys = ScopeKeys.from_sid(ns, _text(sid))
             command = ("EVALSHA", _SHA["forget"], 1, keys.seq, keys.prefix, replica,
                        self._tuning.forget_batch)  # fmt: skip
             more = 1
@@ -550,11 +552,12 @@ class RedisIndex:
         """Drop scopes last recorded at or before `cutoff_ms`: every entry of theirs expired
         (their keys too, if Redis' clock agrees; what is left is deleted)."""
         for _ in range(_TRIM_ROUNDS):
-            sids = await self._redis().zrangebyscore(
+            # the stub's answer includes (member, score) pairs, which only withscores=True gives
+            sids: list[bytes | str] = await self._redis().zrangebyscore(  # type: ignore[assignment]
                 scopes_key(self.namespace), "-inf", cutoff_ms, start=0, num=_TRIM_SCOPES
             )
             if sids:
-                await self._drop_scopes([(sid.decode(), None) for sid in sids], evicted=False)
+                await self._drop_scopes([(_text(sid), None) for sid in sids], evicted=False)
             if len(sids) < _TRIM_SCOPES:
                 return
 
@@ -564,7 +567,7 @@ class RedisIndex:
         empty loses its remaining keys and its account."""
         ns = self.namespace
         client = self._redis()
-        replicas = sorted(n.decode() for n in await client.smembers(replicas_key(ns)))
+        replicas = sorted(_text(n) for n in await client.smembers(replicas_key(ns)))
         step = self._tuning.forget_batch
         todo = {sid: limit for sid, limit in victims}
         popped = dict.fromkeys(todo, 0)
@@ -698,6 +701,11 @@ class RedisIndex:
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
+
+
+def _text(member: bytes | str) -> str:
+    """A set member as text (the client does not decode responses: members come as bytes)."""
+    return member if isinstance(member, str) else member.decode()
 
 
 def _raise_first(replies: list[Any]) -> None:

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import math
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,10 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 from gateway import create_app, parse_config  # noqa: E402
 from simulator import Fleet  # noqa: E402
-from tests.support import serving  # noqa: E402
+from tests.support import chromium, serving  # noqa: E402
 
 KEY = "demo-admin-key"
-CHROMIUM = "/usr/bin/chromium"
 
 
 async def drive(url: str, model: str, seconds: float, stop: asyncio.Event) -> int:
@@ -107,35 +105,11 @@ async def main(out: Path, seconds: float) -> None:
             await chat_fleet.stop(3)  # a replica dies: its circuit opens
             await asyncio.sleep(seconds * 0.3)
             with tempfile.TemporaryDirectory() as profile:
-                await asyncio.to_thread(screenshot, f"{gw.url}/dashboard#key={KEY}", out, profile)
+                await chromium(f"{gw.url}/dashboard#key={KEY}", f"--screenshot={out}",
+                               "--hide-scrollbars", profile=Path(profile), window="1400,1250",
+                               budget_ms=3000)  # fmt: skip
             stop.set()
             print(f"{await load} requests; screenshot in {out}")
-
-
-def screenshot(url: str, out: Path, profile: str) -> None:
-    subprocess.run(
-        [
-            CHROMIUM,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--disable-dev-shm-usage",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--hide-scrollbars",
-            f"--user-data-dir={profile}",
-            "--window-size=1400,1250",
-            f"--screenshot={out}",
-            "--virtual-time-budget=3000",
-            url,
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
 
 
 if __name__ == "__main__":

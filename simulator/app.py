@@ -1,11 +1,14 @@
 """The replica's HTTP surface: vLLM's OpenAI endpoints plus the simulator's /sim/* switches.
 
-`create_app(replica)` builds a Starlette app around one replica; nothing lives at module level.
+`create_app(parts)` builds a Starlette app from the `AppParts` one replica hands it; nothing
+lives at module level.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -14,12 +17,34 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from simulator.faults import Fault
+from simulator.faults import Fault, FaultSwitch
+from simulator.kv_cache import PrefixCache
 from simulator.metrics import CONTENT_TYPE
 from simulator.openai_api import ApiError, bad
+from simulator.serving import CompletionService
+from simulator.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from simulator.replica import Replica
+    from simulator.kv_publisher import KvEventPublisher  # imports pyzmq
+
+
+@dataclass(frozen=True, slots=True)
+class AppParts:
+    """What the routes read and call, each named by the routes that use it."""
+
+    model_name: str  # /v1/models, the served name
+    model_root: str  # /v1/models' root: the Hugging Face name, else the served name
+    max_model_len: int  # /v1/models, /tokenize
+    service: CompletionService  # /v1/chat/completions, /v1/completions
+    tokenizer: Tokenizer  # /tokenize
+    load: Callable[[], int]  # /load: requests running and waiting
+    render_metrics: Callable[[], bytes]  # /metrics
+    stats: Callable[[], dict[str, Any]]  # /sim/stats
+    reset_stats: Callable[[], None]  # /sim/stats/reset
+    faults: FaultSwitch  # /sim/fault
+    cache: PrefixCache  # /sim/cache
+    kv_publisher: Callable[[], KvEventPublisher | None]  # /sim/kv_events, /kv_event_sources
+    reset_prefix_cache: Callable[[], object]  # /reset_prefix_cache
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -33,10 +58,8 @@ async def _json_body(request: Request) -> Any:
         raise bad("the request body is not valid JSON") from None
 
 
-def create_app(replica: Replica) -> Starlette:
-    service = replica.service
-    tok = replica.tokenizer
-    max_model_len = replica.engine.config.max_model_len
+def create_app(parts: AppParts) -> Starlette:
+    service, tok, max_model_len = parts.service, parts.tokenizer, parts.max_model_len
     created = int(time.time())
 
     async def chat(request: Request) -> Response:
@@ -46,9 +69,9 @@ def create_app(replica: Replica) -> Starlette:
         return await service.handle(request, chat=False)
 
     async def models(request: Request) -> Response:
-        name = replica.model_name
+        name = parts.model_name
         card = {"id": name, "object": "model", "created": created, "owned_by": "vllm",
-                "root": replica.engine.config.model.hf_name or name, "parent": None,
+                "root": parts.model_root, "parent": None,
                 "max_model_len": max_model_len,
                 "permission": [{"id": f"modelperm-{name}", "object": "model_permission",
                                 "created": created, "allow_create_engine": False,
@@ -62,11 +85,10 @@ def create_app(replica: Replica) -> Starlette:
         return Response(b"", status_code=200)
 
     async def load(request: Request) -> Response:
-        e = replica.engine
-        return json_response({"server_load": e.num_running + e.num_waiting})
+        return json_response({"server_load": parts.load()})
 
     async def metrics(request: Request) -> Response:
-        return Response(replica.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(parts.render_metrics(), media_type=CONTENT_TYPE)
 
     async def tokenize(request: Request) -> Response:
         body = await _json_body(request)
@@ -90,29 +112,29 @@ def create_app(replica: Replica) -> Starlette:
                               "tokens": tokens, "token_strs": None})
 
     async def sim_stats(request: Request) -> Response:
-        return json_response(replica.stats())
+        return json_response(parts.stats())
 
     async def sim_stats_reset(request: Request) -> Response:
-        replica.reset_stats()
-        return json_response(replica.stats())
+        parts.reset_stats()
+        return json_response(parts.stats())
 
     async def sim_fault(request: Request) -> Response:
         if request.method == "POST":
             try:
-                replica.faults.set(Fault.from_json(await _json_body(request)))
+                parts.faults.set(Fault.from_json(await _json_body(request)))
             except ValueError as exc:
                 raise bad(str(exc)) from None
-        return json_response(replica.faults.state())
+        return json_response(parts.faults.state())
 
     async def sim_cache(request: Request) -> Response:
-        cache = replica.engine.cache
+        cache = parts.cache
         return json_response({"block_size": cache.block_size, "num_blocks": cache.num_blocks,
                               "hash": "xxh3_64 chain: h_i = xxh3_64(int64le(tokens_i), "
                                       "seed=h_{i-1}), h_-1 = 0 or xxh3_64(cache_salt)",
                               "blocks": cache.dump()})
 
     async def sim_kv_events(request: Request) -> Response:
-        publisher = replica.kv_events
+        publisher = parts.kv_publisher()
         if publisher is None:
             raise ApiError(404, "this replica publishes no KV events (start it with "
                                 "--kv-events-port)")
@@ -129,7 +151,7 @@ def create_app(replica: Replica) -> Starlette:
         return json_response(publisher.state())
 
     async def kv_event_sources(request: Request) -> Response:
-        publisher = replica.kv_events
+        publisher = parts.kv_publisher()
         if publisher is None:
             return json_response({})
         opts = publisher.options
@@ -139,7 +161,7 @@ def create_app(replica: Replica) -> Starlette:
             "topic": opts.topic, "encoding": opts.encoding}})
 
     async def reset_prefix_cache(request: Request) -> Response:
-        replica.reset_prefix_cache()
+        parts.reset_prefix_cache()
         return Response(b"", status_code=200)
 
     async def api_error(request: Request, exc: Exception) -> Response:

@@ -69,6 +69,17 @@ class Router(Protocol):
     def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int | Awaitable[int]: ...
 
 
+class RoundRobin:
+    """The simplest router: replicas in turn, starting at 0."""
+
+    def __init__(self) -> None:
+        self.i = -1
+
+    def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
+        self.i += 1
+        return self.i % len(view)
+
+
 class Cluster:
     """`n_replicas` engines of one configuration; engine i is seeded `seed + i`."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import random
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from simulator import decode_runs
 from simulator.config import EngineConfig
@@ -187,9 +187,54 @@ class Engine:
         step = Step(self.now_s, duration, batch.items, batch.preempted, batch.admitted,
                     prefill_tokens, n_decode)
         if fuse and n_decode == len(batch.items) == self.num_running and not batch.admitted:
-            step = decode_runs.plan(self, step, kv_tokens)
+            step = self._plan_run(step, kv_tokens)
         self.in_flight = step
         return step
+
+    def _plan_run(self, step: Step, kv_tokens: int) -> Step:
+        """Extend a scheduled pure-decode `step` into a run, or return it unchanged.
+
+        No run while a request could be admitted (the queue must be empty or the batch full);
+        `decode_runs.run_length` says where else it must stop.
+        """
+        running = self.scheduler.running
+        if len(self.scheduler.waiting) and len(running) < self.config.max_num_seqs:
+            return step
+        k = decode_runs.run_length(running, self.cache.num_free, self.config.block_size)
+        if k < 2:
+            return step
+        durations, ends = decode_runs.run_times(self.perf, step.start_s, step.duration_s,
+                                                len(running), kv_tokens, k)
+        return replace(step, durations=durations, ends=ends)
+
+    def _apply_run(self, step: Step, j: int) -> Step:
+        """Apply the first `j` steps of a run; return the rest, whose first step then begins."""
+        if j <= 0:
+            return step
+        filler, nf = self.filler, len(self.filler)
+        ends, durations = step.ends, step.durations
+        t = ends[j - 1]
+        prev_end = ends[j - 2] if j >= 2 else None
+        grow = self.scheduler.grow
+        for seq in step.items:
+            out = seq.output
+            k0 = len(out)
+            base = seq.out_base
+            out.extend([filler[(base + k) % nf] for k in range(k0, k0 + j)])
+            seq.num_computed += j
+            seq.last_itl = t - (prev_end if prev_end is not None else seq.last_token_s)  # type: ignore[operator]
+            seq.last_token_s = t
+            grow(seq, 1)  # what the next step's scheduling allocates and registers
+        c = self.counters
+        c.steps += j
+        for d in durations[:j]:
+            c.busy_time_s += d
+        c.generation_tokens += j * len(step.items)
+        self.now_s = t
+        rest_d, rest_e = durations[j:], ends[j:]
+        if len(rest_e) == 1:
+            rest_d, rest_e = [], []
+        return replace(step, start_s=t, duration_s=durations[j], durations=rest_d, ends=rest_e)
 
     def sync(self, t: float) -> None:
         """Apply the fused steps that end before `t` (the state a step-by-step run has)."""
@@ -197,7 +242,7 @@ class Engine:
         if step is not None and step.ends:
             j = min(bisect.bisect_left(step.ends, t), len(step.ends) - 1)
             if j > 0:
-                self.in_flight = decode_runs.materialize(self, step, j)
+                self.in_flight = self._apply_run(step, j)
 
     def truncate(self) -> None:
         """End a fused run after its current step (a request arrived)."""
@@ -211,7 +256,7 @@ class Engine:
         if step is None:
             raise RuntimeError("no step in flight")
         if step.ends:
-            step = decode_runs.materialize(self, step, len(step.ends) - 1)
+            step = self._apply_run(step, len(step.ends) - 1)
         self.in_flight = None
         t = self.now_s = step.end_s
         c = self.counters

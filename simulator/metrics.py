@@ -36,31 +36,27 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         e, lv = self.engine, self.labels
         c = e.counters
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.",
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        for family, name, doc, value in (
+            (gauge, "vllm:num_requests_running", "Number of requests in model execution batches.",
              e.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+            (gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
              e.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
              e.kv_usage),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=LABELS)
-            g.add_metric(lv, value)
-            yield g
-        for name, doc, value in (
-            ("vllm:prefix_cache_queries",
+            (counter, "vllm:prefix_cache_queries",
              "Prefix cache queries, in terms of number of queried tokens.", c.prefix_queries),
-            ("vllm:prefix_cache_hits",
+            (counter, "vllm:prefix_cache_hits",
              "Prefix cache hits, in terms of number of cached tokens.", c.prefix_hits),
-            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+            (counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
              c.preemptions),
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens),
-            ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix hits).",
-             c.cached_prompt_tokens),
-            ("vllm:generation_tokens", "Number of generation tokens processed.",
+            (counter, "vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens),
+            (counter, "vllm:prompt_tokens_cached",
+             "Number of cached prompt tokens (local prefix hits).", c.cached_prompt_tokens),
+            (counter, "vllm:generation_tokens", "Number of generation tokens processed.",
              c.generation_tokens),
         ):
-            m = CounterMetricFamily(name, doc, labels=LABELS)
+            m = family(name, doc, labels=LABELS)
             m.add_metric(lv, value)
             yield m
         ok = CounterMetricFamily("vllm:request_success", "Count of successfully processed "

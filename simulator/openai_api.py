@@ -38,8 +38,9 @@ def bad(message: str, param: str | None = None) -> ApiError:
 
 
 @dataclass(slots=True)
-class ParsedRequest:
-    """A chat or completions request, reduced to what the engine needs."""
+class EngineRequest:
+    """A chat or completions request, reduced to what the engine needs and how to frame the
+    answer (stream, usage, ids)."""
 
     chat: bool
     model: str | None
@@ -95,7 +96,7 @@ def _prompts(v: Any, tok: Tokenizer) -> list[list[int]]:
               "lists of token ids", "prompt")
 
 
-def parse_request(body: Any, tok: Tokenizer, *, chat: bool) -> ParsedRequest:
+def parse_request(body: Any, tok: Tokenizer, *, chat: bool) -> EngineRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
@@ -136,7 +137,7 @@ def parse_request(body: Any, tok: Tokenizer, *, chat: bool) -> ParsedRequest:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad("cache_salt must be a non-empty string", "cache_salt")
-    return ParsedRequest(chat=chat, model=model, prompts=prompts, max_tokens=max_tokens,
+    return EngineRequest(chat=chat, model=model, prompts=prompts, max_tokens=max_tokens,
                          stream=stream, include_usage=bool(opts.get("include_usage")),
                          priority=priority, cache_salt=salt)
 
@@ -146,7 +147,7 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "completion_tokens": completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def stream_chunk(req: ParsedRequest, model: str, index: int, text: str | None,
+def stream_chunk(req: EngineRequest, model: str, index: int, text: str | None,
                  finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
     """One SSE chunk for one choice; a chat chunk's first delta carries the role."""
     if req.chat:
@@ -164,13 +165,13 @@ def stream_chunk(req: ParsedRequest, model: str, index: int, text: str | None,
             "choices": [choice]}
 
 
-def usage_chunk(req: ParsedRequest, model: str, use: dict[str, Any]) -> dict[str, Any]:
+def usage_chunk(req: EngineRequest, model: str, use: dict[str, Any]) -> dict[str, Any]:
     obj = "chat.completion.chunk" if req.chat else "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": model,
             "choices": [], "usage": use}
 
 
-def full_response(req: ParsedRequest, model: str, texts: list[str], reasons: list[str],
+def full_response(req: EngineRequest, model: str, texts: list[str], reasons: list[str],
                   use: dict[str, Any]) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
     for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from simulator.app import create_app
+from simulator.app import AppParts, create_app
 from simulator.config import EngineConfig, KvEventsOptions
 from simulator.engine import Engine, StepResult
 from simulator.faults import FaultSwitch
@@ -69,7 +69,7 @@ class Replica:
         self.service = CompletionService(runner=self.runner, tokenizer=self.tokenizer,
                                          model_name=self.model_name, faults=self.faults,
                                          kill_connection=self.kill_connection)
-        self.app = create_app(self)
+        self.app = create_app(self._app_parts())
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._base = EngineCounters()
@@ -83,6 +83,17 @@ class Replica:
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    def _app_parts(self) -> AppParts:
+        engine = self.engine
+        return AppParts(
+            model_name=self.model_name,
+            model_root=self.config.model.hf_name or self.model_name,
+            max_model_len=self.config.max_model_len, service=self.service,
+            tokenizer=self.tokenizer, load=lambda: engine.num_running + engine.num_waiting,
+            render_metrics=self.metrics.render, stats=self.stats, reset_stats=self.reset_stats,
+            faults=self.faults, cache=engine.cache, kv_publisher=lambda: self.kv_events,
+            reset_prefix_cache=self.reset_prefix_cache)
 
     def _on_step(self, result: StepResult) -> None:
         self.metrics.on_step(result)

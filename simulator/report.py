@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 from simulator.config import build_config
-from simulator.des import Cluster, ReplicaLoad, SimRequest, chat_requests, run
+from simulator.des import Cluster, ReplicaLoad, RoundRobin, SimRequest, chat_requests, run
 from simulator.profiles import load_gpus, load_models
 from simulator.workloads import shared_prompts
 
@@ -39,22 +39,13 @@ async def cache_rows(model: str, gpu: str, rates: Sequence[float], n_requests: i
     return rows
 
 
-class _RoundRobin:
-    def __init__(self) -> None:
-        self.i = -1
-
-    def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
-        self.i += 1
-        return self.i % len(view)
-
-
 async def speed_row(n_requests: int, rate: float, replicas: int, seed: int) -> str:
     """How fast the discrete-event mode replays a trace (CPU seconds of this process)."""
     trace = chat_requests(shared_prompts(n_requests, k=16, rate=rate, prompt_tokens=(1000, 3000),
                                          user_tokens=USER_TOKENS, max_tokens=200, seed=seed))
     cluster = Cluster(replicas, "qwen2.5-14b", "a100-80g", seed=seed)
     cpu = time.process_time()
-    result = await run(trace, cluster, _RoundRobin())
+    result = await run(trace, cluster, RoundRobin())
     cpu = time.process_time() - cpu
     s = result.summary()
     steps = sum(e.counters.steps for e in cluster.engines)

@@ -19,7 +19,7 @@ from starlette.types import Receive
 from simulator.faults import Fault, FaultSwitch
 from simulator.openai_api import (
     ApiError,
-    ParsedRequest,
+    EngineRequest,
     bad,
     full_response,
     parse_request,
@@ -113,7 +113,7 @@ class CompletionService:
             if not s.finished:
                 self.runner.abort(s)
 
-    async def _frames(self, req: ParsedRequest, seqs: list[Sequence],
+    async def _frames(self, req: EngineRequest, seqs: list[Sequence],
                       events: asyncio.Queue[Event]) -> AsyncIterator[bytes]:
         model, open_choices = self.model_name, len(seqs)
         started: set[int] = set()
@@ -153,7 +153,7 @@ class CompletionService:
         finally:
             await frames.aclose()  # type: ignore[attr-defined]
 
-    async def _whole(self, req: ParsedRequest, seqs: list[Sequence],
+    async def _whole(self, req: EngineRequest, seqs: list[Sequence],
                      events: asyncio.Queue[Event], fault: Fault | None,
                      request: Request) -> Response:
         async def collect() -> None:

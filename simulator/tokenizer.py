@@ -110,7 +110,32 @@ def _tool_call_json(call: Any) -> str:
     return f'{{"name": "{name}", "arguments": {arguments}}}'
 
 
-class ByteTokenizer:
+class _FillerVocab:
+    """What both tokenizers share: ChatML unless told otherwise, and generated tokens drawn
+    from `_filler` (id -> the text it decodes to)."""
+
+    _filler: dict[int, str]
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True) -> str:
+        return render_chatml(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    @property
+    def filler_ids(self) -> Sequence[int]:
+        return tuple(self._filler)
+
+    def decode_filler(self, token_id: int) -> str:
+        return self._filler.get(token_id, "")
+
+
+class ByteTokenizer(_FillerVocab):
     """One token per 4 UTF-8 bytes, restarting at special markers and after each newline.
 
     Restarting at boundaries makes a message's tokens independent of what precedes it, as
@@ -171,23 +196,8 @@ class ByteTokenizer:
                 out.extend(run(part))
         return out
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> str:
-        return render_chatml(messages, add_generation_prompt)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(render_chatml(messages, add_generation_prompt))
-
-    @property
-    def filler_ids(self) -> Sequence[int]:
-        return tuple(self._filler)
-
-    def decode_filler(self, token_id: int) -> str:
-        return self._filler.get(token_id, "")
-
-
-class TokenizerJson:
+class TokenizerJson(_FillerVocab):
     """A local `tokenizer.json`, or a tokenizer directory holding one, read with the
     `tokenizers` package (the gateway's tokens mode reads the same files, so both cut a prompt
     into the same ids).
@@ -248,18 +258,11 @@ class TokenizerJson:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt)
-        if self._template is None:
-            return self.encode(text)
+        if self._template is None:  # ChatML, tokenized like a completion
+            return super().encode_chat(messages, add_generation_prompt)
+        text = self._template.render(messages, add_generation_prompt)
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return ids
-
-    @property
-    def filler_ids(self) -> Sequence[int]:
-        return tuple(self._filler)
-
-    def decode_filler(self, token_id: int) -> str:
-        return self._filler.get(token_id, "")
 
 
 class ChatTemplate:

@@ -1,18 +1,17 @@
-"""Seeded, documented request workloads for the routing benchmark and the demo.
+"""Seeded chat workloads for the demo, the simulator's report and the benchmarks' prompt shapes.
 
 Each generator returns chat requests with arrival times. Text is made of 4-byte word pieces, so one
 piece is one token for the simulator's tokenizer and ~one token of English for a real one.
+`bench.shapes` sends the same shapes as OpenAI bodies, `bench.routing_workloads` adds token-level
+ones; both draw arrivals from `arrivals`.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -41,7 +40,8 @@ def text(key: str, tokens: int) -> str:
     return out.decode("ascii")
 
 
-def _arrivals(rng: random.Random, n: int, rate: float) -> Iterator[float]:
+def arrivals(rng: random.Random, n: int, rate: float) -> Iterator[float]:
+    """`n` Poisson arrival times (seconds) at `rate` per second, drawn from `rng` as they go."""
     t = 0.0
     for _ in range(n):
         t += rng.expovariate(rate)
@@ -69,7 +69,7 @@ def shared_prompts(
     lengths = [rng.randint(*prompt_tokens) for _ in range(k)]
     weights = [hot_weight] + [1.0] * (k - 1)
     out = []
-    for i, t in enumerate(_arrivals(rng, n, rate)):
+    for i, t in enumerate(arrivals(rng, n, rate)):
         g = rng.choices(range(k), weights)[0]
         system = text(f"sys-{seed}-{g}", lengths[g])
         user = text(f"user-{seed}-{i}", rng.randint(*user_tokens))
@@ -86,14 +86,17 @@ def multi_turn(
     user_tokens: tuple[int, int] = (50, 200),
     reply_tokens: int = 100,
     think_s: tuple[float, float] = (2.0, 10.0),
+    systems: int = 4,
     seed: int = 0,
 ) -> list[WorkItem]:
-    """(b) Multi-turn chats: each turn resends the whole history plus a new user message."""
+    """(b) Multi-turn chats: each turn resends the whole history plus a new user message.
+    Conversations start at `rate` per second and share `systems` system prompts; the turns of
+    one share their history's message dicts (do not change them)."""
     rng = random.Random(seed)
     out = []
-    for c, start in enumerate(_arrivals(rng, n_conversations, rate)):
+    for c, start in enumerate(arrivals(rng, n_conversations, rate)):
         history: list[dict[str, str]] = [
-            {"role": "system", "content": text(f"mt-sys-{seed}-{c % 4}", system_tokens)}
+            {"role": "system", "content": text(f"mt-sys-{seed}-{c % systems}", system_tokens)}
         ]
         t = start
         for turn in range(turns):
@@ -112,122 +115,3 @@ def multi_turn(
             t += rng.uniform(*think_s)
     out.sort(key=lambda w: w.arrival_s)
     return out
-
-
-def rag(
-    n: int = 1000,
-    *,
-    docs: int = 200,
-    rate: float = 10.0,
-    doc_tokens: tuple[int, int] = (2000, 4000),
-    zipf_s: float = 1.1,
-    question_tokens: tuple[int, int] = (20, 80),
-    max_tokens: int = 64,
-    seed: int = 0,
-) -> list[WorkItem]:
-    """(c) RAG: a Zipf-popular set of long documents, each request one document plus a question."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(*doc_tokens) for _ in range(docs)]
-    weights = [1.0 / (r + 1) ** zipf_s for r in range(docs)]
-    instruction = "Answer the question from the document."
-    out = []
-    for i, t in enumerate(_arrivals(rng, n, rate)):
-        d = rng.choices(range(docs), weights)[0]
-        doc = text(f"doc-{seed}-{d}", lengths[d])
-        q = text(f"q-{seed}-{i}", rng.randint(*question_tokens))
-        out.append(
-            WorkItem(
-                t, _sys_user(instruction, doc + "\n\nQuestion:" + q), max_tokens, group=f"doc{d}"
-            )
-        )
-    return out
-
-
-def no_sharing(
-    n: int = 1000,
-    *,
-    rate: float = 10.0,
-    prompt_tokens: tuple[int, int] = (500, 3000),
-    max_tokens: int = 64,
-    seed: int = 0,
-) -> list[WorkItem]:
-    """(d) The control: every prompt unique from its first token."""
-    rng = random.Random(seed)
-    return [
-        WorkItem(
-            t,
-            ({"role": "user", "content": text(f"ns-{seed}-{i}", rng.randint(*prompt_tokens))},),
-            max_tokens,
-        )
-        for i, t in enumerate(_arrivals(rng, n, rate))
-    ]
-
-
-def mixed_long(
-    n: int = 1000,
-    *,
-    long_share: float = 0.1,
-    rate: float = 10.0,
-    long_tokens: tuple[int, int] = (8192, 16000),
-    seed: int = 0,
-    **short: Any,
-) -> list[WorkItem]:
-    """(e) Shared-prompt traffic with a share of 8K+ token prompts mixed in."""
-    rng = random.Random(seed + 1)
-    base = shared_prompts(n, rate=rate, seed=seed, **short)
-    out = []
-    for i, w in enumerate(base):
-        if rng.random() < long_share:
-            body = text(f"long-{seed}-{i}", rng.randint(*long_tokens))
-            w = WorkItem(
-                w.arrival_s, ({"role": "user", "content": body},), w.max_tokens, group="long"
-            )
-        out.append(w)
-    return out
-
-
-def trace(
-    path: str | Path,
-    *,
-    limit: int | None = None,
-    block_tokens: int = 512,
-    time_scale: float = 1.0,
-    max_output: int | None = None,
-) -> list[WorkItem]:
-    """Replay a JSONL trace of {timestamp (ms), input_length, output_length, hash_ids}.
-
-    Each hash id stands for `block_tokens` tokens of deterministic text, so equal ids give equal
-    prefixes; the last block is cut to make the prompt `input_length` tokens long.
-    """
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if limit is not None and i >= limit:
-                break
-            rec = json.loads(line)
-            ids = rec["hash_ids"]
-            tail = rec["input_length"] - block_tokens * (len(ids) - 1)
-            parts = [text(f"trace-{h}", block_tokens) for h in ids[:-1]]
-            parts.append(text(f"trace-{ids[-1]}", block_tokens)[: 4 * max(tail, 1)])
-            out_len = max(1, rec["output_length"])
-            if max_output is not None:
-                out_len = min(out_len, max_output)
-            out.append(
-                WorkItem(
-                    rec["timestamp"] / 1000.0 * time_scale,
-                    ({"role": "user", "content": "".join(parts)},),
-                    out_len,
-                    group=f"h{ids[0]}",
-                )
-            )
-    return out
-
-
-WORKLOADS = {
-    "shared_prompts": shared_prompts,
-    "multi_turn": multi_turn,
-    "rag": rag,
-    "no_sharing": no_sharing,
-    "mixed_long": mixed_long,
-    "hot_prefix": functools.partial(shared_prompts, hot_weight=10.0),
-}

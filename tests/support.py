@@ -1,74 +1,27 @@
-"""Shared test helpers: run any ASGI app on an ephemeral loopback port in the current loop."""
+"""Test-only helpers: polling for a condition, a `gateway --config` process and its readiness,
+headless Chromium on a page.
+
+Servers, ports and fleets come from the shared harness (`simulator.harness`), re-exported here.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import uvicorn
 import yaml
 
+from simulator.harness import Served, free_port, serving, start_server
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Served:
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], port: int) -> None:
-        self.server = server
-        self.task = task
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        await self.task
-
-
-async def start_server(app: Any, port: int = 0, lifespan: str = "auto") -> Served:
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        lifespan=lifespan,
-        log_config=None,
-        access_log=False,
-        loop="none",
-        http="httptools",
-        timeout_graceful_shutdown=2,
-    )
-    server = uvicorn.Server(config)
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    for _ in range(2000):  # poll readiness, up to ~10 s
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.005)
-    if task.done():
-        task.result()
-        raise RuntimeError("server exited during startup")
-    if not server.started:
-        raise RuntimeError("server did not start")
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    return Served(server, task, bound)
-
-
-@contextlib.asynccontextmanager
-async def serving(app: Any, port: int = 0, lifespan: str = "auto") -> AsyncIterator[Served]:
-    served = await start_server(app, port, lifespan)
-    try:
-        yield served
-    finally:
-        await served.stop()
+__all__ = [
+    "CHROMIUM", "Served", "chromium", "free_port", "gateway_process", "poll_until", "serving",
+    "start_server", "wait_ready",
+]  # fmt: skip
+CHROMIUM = Path("/usr/bin/chromium")
 
 
 async def poll_until(cond: Any, timeout_s: float = 10.0, every_s: float = 0.01) -> None:
@@ -113,3 +66,25 @@ async def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float =
                 pass
             await asyncio.sleep(0.05)
     raise AssertionError("gateway did not become ready")
+
+
+async def chromium(
+    url: str, *args: str, profile: Path, window: str = "1400,1000", budget_ms: int = 5000
+) -> bytes:
+    """Headless Chromium on `url` with `args` (`--dump-dom`, `--screenshot=PATH`, ...), its own
+    profile directory, `budget_ms` of virtual time for the page's scripts; returns its stdout."""
+    proc = await asyncio.create_subprocess_exec(
+        str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+        "--disable-dev-shm-usage", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
+        f"--window-size={window}", f"--virtual-time-budget={budget_ms}", *args, url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    return out

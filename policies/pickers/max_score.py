@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.base import BY_SCORE, COLD, GUARD, TIE
+from policies.base import BY_SCORE, COLD, GUARD, TIE, Picker
 from policies.types import ReplicaView, RoutedRequest
 
 
@@ -67,7 +67,7 @@ class LoadGuard:
         return self.max_load_ratio is None or best_load > self.max_load_ratio * min_load
 
 
-class MaxScorePicker:
+class MaxScorePicker(Picker):
     name = "max_score"
     needs_prefix = False  # reads hit_blocks only when another plugin had the prompt hashed
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from policies.base import GUARD
+from policies.base import GUARD, Picker
 from policies.types import ReplicaView, RoutedRequest
 
 
-class SGLangCacheAwarePicker:
+class SGLangCacheAwarePicker(Picker):
     name = "sglang_cache_aware"
+    needs_prefix = True  # the longest prefix match wins unless the fleet is imbalanced
 
     def __init__(
         self,

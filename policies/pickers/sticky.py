@@ -28,12 +28,13 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from policies.base import GUARD
+from policies.base import GUARD, Picker
 from policies.types import ReplicaView, RoutedRequest
 
 
-class StickyPicker:
+class StickyPicker(Picker):
     name = "sticky"
+    needs_prefix = True  # affinity is the share of the prompt's blocks a replica holds
 
     def __init__(
         self,

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from policies.base import Scorer
 from policies.types import ReplicaView, RoutedRequest
 
 
-class CostBlocksScorer:
+class CostBlocksScorer(Scorer):
     name = "cost_blocks"
+    needs_prefix = True  # the prefill still to do is the prompt less the blocks held
     reason = "cost"
 
     def __init__(

@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from policies.base import Scorer
 from policies.types import ReplicaView, RoutedRequest
 
 
-class KVPressureScorer:
+class KVPressureScorer(Scorer):
     name = "kv_pressure"
-    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
     reason = "load"
 
     def __init__(self, *, unknown_usage: float = 0.5) -> None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from policies.base import Scorer
 from policies.types import ReplicaView, RoutedRequest
 
 
-class PrefixScorer:
+class PrefixScorer(Scorer):
     name = "prefix"
+    needs_prefix = True  # hit_blocks / n_blocks
     reason = "prefix"
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from policies.base import Scorer
 from policies.types import ReplicaView, RoutedRequest
 
 
-class QueueScorer:
+class QueueScorer(Scorer):
     name = "queue"
-    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
     reason = "load"
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:

@@ -22,6 +22,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from policies.base import Scorer
 from policies.types import Outcome, ReplicaView, RoutedRequest
 
 
@@ -41,9 +42,8 @@ def _rendezvous(key: bytes, names: Sequence[str]) -> str:
     return best
 
 
-class SessionScorer:
+class SessionScorer(Scorer):
     name = "session"
-    needs_prefix = False  # never reads hit_blocks: the gateway may skip the index lookup
     reason = "session"
 
     def __init__(self, *, capacity: int = 65536) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from policies.base import Scorer
 from policies.types import Outcome, ReplicaView, RoutedRequest
 
 _KTOK = 1000.0  # the fit works in thousands of tokens, so the three features have similar scale
@@ -62,8 +63,9 @@ def _solve3(m: list[float], v: list[float]) -> tuple[float, float, float] | None
     return x0, x1, x2
 
 
-class TTFTScorer:
+class TTFTScorer(Scorer):
     name = "ttft"
+    needs_prefix = True  # the uncached part of the prompt is what a replica must prefill
     reason = "ttft"
 
     def __init__(

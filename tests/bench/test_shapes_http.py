@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from bench.routing import ENGINE
 from bench.routing_http import DEFAULT, drive, kv_tokens, summarize
-from bench.routing_workloads import profile
+from bench.routing_workloads import ENGINE, profile
 from bench.shapes import SHAPES, to_sim_requests
 from simulator import Fleet
 

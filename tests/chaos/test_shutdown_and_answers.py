@@ -47,23 +47,10 @@ async def _production_server(
     app: Any, grace_s: int
 ) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
     """The gateway as `gateway serve` runs it (its own protocol), on an ephemeral port."""
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=0,
-        lifespan="on",
-        log_config=None,
-        access_log=False,
-        loop="none",
-        http=GuardedHttpToolsProtocol,
-        timeout_graceful_shutdown=grace_s,
+    served = await start_server(
+        app, lifespan="on", http=GuardedHttpToolsProtocol, graceful_s=grace_s
     )
-    server = uvicorn.Server(config)
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    await poll_until(lambda: server.started or task.done())
-    assert server.started
-    return server, task, server.servers[0].sockets[0].getsockname()[1]
+    return served.server, served.task, served.port
 
 
 def _dechunk(raw: bytes) -> tuple[bytes, bool]:

@@ -23,6 +23,8 @@ from typing import Any
 
 import orjson
 
+from simulator.harness import lifespan_done, read_body
+
 
 @dataclass
 class Upstream:
@@ -39,14 +41,8 @@ class Upstream:
     completed: int = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+        if await lifespan_done(scope, receive, send):
+            return
         path = scope["path"]
         if path == "/health":
             await _json(send, 200 if self.mode != "unhealthy" else 503, {"status": "ok"})
@@ -63,12 +59,7 @@ class Upstream:
                 send, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]}
             )
             return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
         self.calls += 1
         self.bodies.append(body)
         self.headers.append(dict(scope["headers"]))

@@ -19,17 +19,16 @@ import yaml
 
 from gateway import create_app, parse_config
 from gateway.runtime import Gateway
-from gateway.status import snapshot
+from gateway.status import status_of
 from gateway.window import RollingWindow, quantile
 from tests.gateway.conftest import rig
 from tests.gateway.fake_replica import Upstream
-from tests.support import poll_until, serving
+from tests.support import CHROMIUM, chromium, poll_until, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy/prometheus/alerts.yaml"
 PROMETHEUS = ROOT / "deploy/prometheus/prometheus.yml"
 GRAFANA = ROOT / "deploy/grafana/kv-gateway.json"
-CHROMIUM = Path("/usr/bin/chromium")
 KEY = "test-admin-key"
 SAVE_SHOT = os.environ.get("DASHBOARD_SCREENSHOT")  # a path: keep the browser test's screenshot
 
@@ -257,7 +256,7 @@ async def test_status_snapshot_reports_state_without_addresses(
         last = r.gateway.recent[-1]
         for i in range(60):
             r.gateway.recent.append((last[0], str(i), *last[2:]))
-        decisions = snapshot(r.gateway, None)["decisions"]
+        decisions = status_of(r.gateway, None)["decisions"]
         assert len(decisions) == 50 and decisions[-1]["request_id"] == "59"
 
 
@@ -451,36 +450,6 @@ def png_facts(data: bytes) -> tuple[int, int, int]:
             idat += chunk
         pos += 12 + length
     return size[0], size[1], len(set(zlib.decompress(idat)))
-
-
-async def chromium(url: str, *args: str, profile: Path) -> bytes:
-    proc = await asyncio.create_subprocess_exec(
-        str(CHROMIUM),
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--disable-dev-shm-usage",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={profile}",
-        "--window-size=1400,1000",
-        "--virtual-time-budget=5000",
-        *args,
-        url,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
-    return out
 
 
 @pytest.mark.slow

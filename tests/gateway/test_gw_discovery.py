@@ -79,7 +79,7 @@ async def test_kubernetes_discovery_adds_and_removes_replicas() -> None:
                 assert (await h.post(gw.url + "/v1/chat/completions", json=body)).status_code == 200
             assert b.calls == 3 and a.calls == 1
             # drained (nothing in flight) and forgotten by the index
-            await poll_until(lambda: not app.gateway._retiring)
+            await poll_until(lambda: not app.gateway.background.busy())
             assert (await app.gateway.index.match(scope, hashes, [name_a]))[name_a] == 0
     finally:
         await gw.stop()

@@ -388,6 +388,7 @@ async def test_trace_segments_and_traceparent_continued() -> None:
     assert attrs["gateway.replica"] == "127.0.0.1:" + served.url.rsplit(":", 1)[1]
     assert attrs["gateway.pool"] == "chat" and attrs["gateway.outcome"] == "ok"
     assert attrs["gateway.policy"] == "round_robin"
+    assert attrs["gateway.config.version"] == 1  # the snapshot the gateway started with
     # the upstream got a traceparent in the same trace, parented on the gateway's root span
     sent = up.headers[0][b"traceparent"].decode()
     assert sent.split("-")[1] == "0af7651916cd43dd8448eb211c80319c"

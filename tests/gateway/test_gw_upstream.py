@@ -29,6 +29,7 @@ from gateway.http_client import (
     UpstreamResponse,
     UpstreamTooLargeError,
 )
+from simulator.harness import read_body
 from tests.support import free_port, poll_until, serving
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
@@ -205,12 +206,7 @@ class App:
             return
         self.clients.add(scope["client"][1])
         self.seen.append(dict(scope["headers"]))
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
         if scope["path"] == "/sse":
             await send(
                 {

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from policies import Decision, Outcome, Policy, ReplicaView, RoutedRequest
+from policies import Decision, Outcome, Policy, ReplicaView, RoutedRequest, Scorer
 from policies.baselines import RoundRobinPicker
 from policies.filters import Healthy, NotSaturated
 from policies.pickers.max_score import MaxScorePicker
@@ -18,15 +18,18 @@ from policies.scorers.queue import QueueScorer
 REQ = RoutedRequest("r", "m", "m", "p", 64, (1, 2, 3, 4), 16.0)
 
 
-class Fixed:
+class Fixed(Scorer):
     """A scorer that answers a fixed table (may break the contract, to test the clamp)."""
 
     def __init__(self, name: str, table: dict[str, float], reason: str | None = None) -> None:
         self.name = name
         self.table = table
-        if reason is not None:
-            self.reason = reason
+        self._reason = name if reason is None else reason
         self.observed: list[Outcome] = []
+
+    @property
+    def reason(self) -> str:
+        return self._reason
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:
         return dict(self.table)
@@ -35,7 +38,7 @@ class Fixed:
         self.observed.append(outcome)
 
 
-class Exploding:
+class Exploding(Scorer):
     name = "exploding"
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:
@@ -49,9 +52,9 @@ def _views(*names: str, **kw: object) -> list[ReplicaView]:
     return [ReplicaView(n, **kw) for n in names]  # type: ignore[arg-type]
 
 
-def _policy(*scorers: tuple[object, float], guard: object = None) -> Policy:
-    picker = MaxScorePicker(guard=guard)  # type: ignore[arg-type]
-    return Policy("t", filters=[Healthy()], scorers=scorers, picker=picker)  # type: ignore[arg-type]
+def _policy(*scorers: tuple[Scorer, float], guard: bool | None = None) -> Policy:
+    picker = MaxScorePicker(guard=guard)
+    return Policy("t", filters=[Healthy()], scorers=scorers, picker=picker)
 
 
 def test_engine_clamps_every_score_to_unit_interval() -> None:

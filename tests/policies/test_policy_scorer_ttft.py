@@ -47,7 +47,9 @@ def test_ttft_rejects_bad_options(option: str, value: float) -> None:
         TTFTScorer(**{option: value})
 
 
-def _outcome(replica: str, uncached: int, queued: int, ttft: float | None, ok: bool = True):
+def _outcome(
+    replica: str, uncached: int, queued: int, ttft: float | None, ok: bool = True
+) -> Outcome:
     return Outcome(replica, uncached + 512, 512, 0, queued, ttft, ok=ok)
 
 

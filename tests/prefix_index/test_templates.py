@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import pytest
 
@@ -19,6 +18,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 from gateway import ConfigError, create_app, parse_config  # noqa: E402
+from gateway.control_client import open_control_client  # noqa: E402
 from gateway.kv_subscriber import check_parity  # noqa: E402
 from prefix_index.chunking import TokenChunker, make_chunker, scope_key  # noqa: E402
 from prefix_index.templates import load_chat_template  # noqa: E402
@@ -249,10 +249,10 @@ async def test_parity_fails_when_the_gateway_renders_chats_with_another_template
     """Same tokenizer, other chat template: the completion probe agrees, the chat probe does not."""
     name = sorted(MODELS)[0]
     async with Fleet(n=1, speedup=1000.0, tokenizer=dirs[name]) as fleet:
-        async with aiohttp.ClientSession() as session:
+        async with open_control_client(5.0) as client:
             wrong = TokenChunker(dirs[name], chat_template="chatml")
-            assert await check_parity(session, fleet.urls[0], None, wrong) is False
-            assert await check_parity(session, fleet.urls[0], None, TokenChunker(dirs[name])) is True
+            assert await check_parity(client, fleet.urls[0], None, wrong) is False
+            assert await check_parity(client, fleet.urls[0], None, TokenChunker(dirs[name])) is True
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -263,8 +263,8 @@ async def test_tokenize_parity_against_a_simulated_replica(
     messages = CONVERSATIONS[model]
     async with Fleet(n=1, speedup=1000.0, tokenizer=dirs[model]) as fleet:
         url = fleet.urls[0]
-        async with aiohttp.ClientSession() as session:
-            assert await check_parity(session, url, None, chunker) is True
+        async with open_control_client(5.0) as client:
+            assert await check_parity(client, url, None, chunker) is True
         async with httpx.AsyncClient(timeout=10.0) as http:
             r = await http.post(url + "/tokenize", json={"messages": messages})
             assert r.status_code == 200 and r.json()["tokens"] == chunker.chat_prompt(messages)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from simulator import Cluster, ReplicaLoad, RequestRecord, SimRequest, chat_requests, run
+from simulator.des import RoundRobin
 from simulator.workloads import multi_turn, shared_prompts
 
 
@@ -24,15 +25,6 @@ def trace(n: int = 400, rate: float = 8.0, seed: int = 1) -> list[SimRequest]:
         out.append(SimRequest(f"q{i}", t, rng.choice(prefixes) + user, rng.randint(1, 120),
                               priority=rng.choice((0, 0, 1))))
     return out
-
-
-class RoundRobin:
-    def __init__(self) -> None:
-        self.i = -1
-
-    def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
-        self.i += 1
-        return self.i % len(view)
 
 
 class Clairvoyant:

@@ -1,29 +1,27 @@
 """`gateway demo`: 4 simulated replicas, the gateway on embedded defaults, one shared-prefix workload
 replayed through it with round robin and with the default policy, and the comparison printed.
 
-Times are simulated seconds (wall time × the simulator's speedup), what the same run would take on
-the GPUs the simulator models.
+The one simulator module that imports the gateway: the demo composes the two (`gateway demo` loads
+it lazily). Times are simulated seconds (wall time × the simulator's speedup), what the same run
+would take on the GPUs the simulator models.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
-import uvicorn
 
+from gateway import Config, create_app, parse_config
 from policies.registry import DEFAULT_POLICY
+from simulator.harness import serving, simulated_fleet, stream_chat
 from simulator.workloads import WorkItem, shared_prompts
-
-from .app import create_app
-from .config import Config, parse_config
 
 SIM_ARGS = [
     "--model",
@@ -38,7 +36,9 @@ SIM_ARGS = [
 
 
 @dataclass
-class RunResult:
+class DemoRun:
+    """One policy's run of the demo workload: first-token times, errors, the replicas' hits."""
+
     policy: str
     ttft_s: list[float]
     errors: int
@@ -61,50 +61,6 @@ class RunResult:
         return len(self.ttft_s) / (self.wall_s * self.speedup)
 
 
-@contextlib.asynccontextmanager
-async def simulated_fleet(n: int, *sim_args: str) -> AsyncIterator[list[str]]:
-    """`python -m simulator --replicas n --port 0 *sim_args` in a subprocess; yields its URLs."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "simulator", "--replicas", str(n), "--port", "0", *sim_args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    urls: list[str] = []
-    assert proc.stdout is not None
-    try:
-        while len(urls) < n:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-            if not line:
-                raise RuntimeError("the simulator exited before it was ready")
-            urls += [w for w in line.split() if w.startswith("http://")]
-        yield urls
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        await proc.wait()
-
-
-@contextlib.asynccontextmanager
-async def serving(config: Config) -> AsyncIterator[str]:
-    """The gateway app for `config` on a free loopback port in this event loop; yields its URL."""
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config), host="127.0.0.1", port=0, log_config=None,
-            access_log=False, lifespan="on", loop="none",
-        )
-    )  # fmt: skip
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.02)
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
-
-
 def _demo_config(urls: Sequence[str], policy: str) -> Config:
     return parse_config(
         {
@@ -122,6 +78,7 @@ def _demo_config(urls: Sequence[str], policy: str) -> Config:
 
 
 async def _one(h: aiohttp.ClientSession, url: str, item: WorkItem, model: str) -> float | None:
+    """Wall seconds to the first content chunk of a streamed answer; None for an error."""
     body = {
         "model": model,
         "messages": list(item.messages),
@@ -129,27 +86,19 @@ async def _one(h: aiohttp.ClientSession, url: str, item: WorkItem, model: str) -
         "stream": True,
     }
     t0 = time.perf_counter()
+    ttft: list[float] = []
     try:
-        async with h.post(
-            url + "/v1/chat/completions",
-            data=orjson.dumps(body),
-            headers={"content-type": "application/json"},
-        ) as res:
-            if res.status != 200:
-                await res.read()
-                return None
-            ttft = None
-            async for chunk in res.content.iter_any():
-                if ttft is None and b'"content"' in chunk:
-                    ttft = time.perf_counter() - t0
-            return ttft
+        status = await stream_chat(
+            h, url, orjson.dumps(body), on_first=lambda: ttft.append(time.perf_counter() - t0)
+        )
     except aiohttp.ClientError:
         return None
+    return ttft[0] if status == 200 and ttft else None
 
 
 async def run_policy(
     policy: str, items: Sequence[WorkItem], speedup: float, replicas: int, show: bool
-) -> RunResult:
+) -> DemoRun:
     ttfts: list[float] = []
     errors = 0
     tty = sys.stdout.isatty()
@@ -157,7 +106,7 @@ async def run_policy(
     sim_args = ("--speedup", str(speedup), *SIM_ARGS)
     async with (
         simulated_fleet(replicas, *sim_args) as urls,
-        serving(_demo_config(urls, policy)) as gw,
+        serving(create_app(_demo_config(urls, policy)), lifespan="on") as gw,
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as h,
     ):
         t_start = time.perf_counter()
@@ -167,7 +116,7 @@ async def run_policy(
             delay = item.arrival_s / speedup - (time.perf_counter() - t_start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            ttft = await _one(h, gw, item, "qwen2.5-14b")
+            ttft = await _one(h, gw.url, item, "qwen2.5-14b")
             if ttft is None:
                 errors += 1
             else:
@@ -189,7 +138,7 @@ async def run_policy(
             hits += int(st["prefix_hit_tokens"])
     if show and tty:
         print()
-    return RunResult(policy, ttfts, errors, wall, prompt, hits, speedup)
+    return DemoRun(policy, ttfts, errors, wall, prompt, hits, speedup)
 
 
 def workload(n: int, seed: int) -> list[WorkItem]:
@@ -205,7 +154,7 @@ def workload(n: int, seed: int) -> list[WorkItem]:
     )
 
 
-def format_table(results: Sequence[RunResult]) -> str:
+def format_table(results: Sequence[DemoRun]) -> str:
     lines = [
         f"{'policy':<14} {'hit ratio':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'req/s':>7} {'errors':>6}"
     ]
@@ -229,7 +178,7 @@ async def demo(
     replicas: int = 4,
     seed: int = 0,
     policies: Sequence[str] = ("round_robin", DEFAULT_POLICY),
-) -> list[RunResult]:
+) -> list[DemoRun]:
     items = workload(requests, seed)
     show = True
     print(

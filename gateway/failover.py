@@ -1,0 +1,219 @@
+"""Send a routed request to its replicas in ranked order until one answers, and relay that answer.
+
+A failed attempt (connect error, timeout or 502/503/504 before the first byte) is counted on its
+replica and the next candidate is dispatched, up to the pool's `retries` (a failed trial of a
+half-open replica does not use one up) and within `timeouts.total_s` for the whole request.
+Nothing is retried once a byte has reached the client. Each dispatch's outcome goes back to its
+replica, the policy and the index exactly once (`Dispatch`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .config import TimeoutsConfig
+from .errors import GatewayError, ServerBusy, UpstreamError, UpstreamTimeout
+from .openai import Kind, ParsedRequest
+from .pools import Pool
+from .proxy import Opened, Retryable, normalize_error_body, open_upstream, relay_stream, send_whole
+from .router import Dispatch, Router, Routing
+from .streams import StreamTap
+from .types import Headers, Send
+
+if TYPE_CHECKING:
+    from .runtime import Gateway
+
+UPSTREAM_PATHS: dict[Kind, bytes] = {
+    "chat": b"/v1/chat/completions",
+    "completions": b"/v1/completions",
+}
+
+
+@dataclass(slots=True)
+class Outbound:
+    """The request as it goes to the replicas, and the headers its answer gets."""
+
+    router: Router  # the request's snapshot's (failover dispatches through it)
+    pool: Pool
+    req: ParsedRequest
+    routing: Routing
+    body: bytes  # as sent on (gateway fields set)
+    headers: Headers  # to the replica
+    extra: Headers  # to the client, on the answer
+    expose_errors: bool  # server.expose_upstream_errors
+    answers_cap: int | None  # server.max_answer_bytes_in_flight
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """What forwarding did, filled in as it goes (so a client that leaves mid-way still has it
+    recorded). `error`: every attempt failed (nothing reached the client)."""
+
+    tried: list[str] = field(default_factory=list)
+    replica: str = "none"
+    status: int = 0
+    outcome: str = "ok"  # ok | upstream_error | broken_mid_stream
+    error_type: str | None = None
+    t_sent: int = 0  # perf_counter_ns of the first attempt
+    t_first: int = 0  # the answer's first byte
+    t_last: int = 0  # its last byte
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    error: GatewayError | None = None
+
+
+class Failover:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def forward(self, out: Outbound, first: Dispatch, send: Send, fwd: Forwarded) -> Forwarded:
+        """Try the ranked replicas in turn until one answers; never retry after the first byte."""
+        gw, pc, req = self.gw, out.pool.config, out.req
+        path = UPSTREAM_PATHS[req.kind]
+        failures: list[str] = []
+        fired: list[str] = []  # the timeout that ended each timed-out attempt
+        deadline = time.monotonic() + pc.timeouts.total_s  # the whole request, retries included
+        assert out.routing.decision is not None
+        candidates = iter(out.routing.decision.ranked[1:])
+        retries = pc.retries
+        attempt: Dispatch | None = first
+        while attempt is not None:
+            current = attempt
+            name = current.replica.name
+            fwd.tried.append(name)
+            t_sent = time.perf_counter_ns()
+            fwd.t_sent = fwd.t_sent or t_sent
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    fired.append("total_s")
+                    await current.failed("timeout (total_s)")
+                    break
+                try:
+                    opened = await open_upstream(
+                        gw.upstream, current.replica.url, path, out.body, out.headers,
+                        pc.timeouts, req.stream, left, gw.answers, out.answers_cap,
+                    )  # fmt: skip
+                except ServerBusy:  # the gateway's own answer budget, not the replica's fault
+                    await current.finished(True, True, None)
+                    raise
+                except Retryable as exc:
+                    await current.failed(exc.reason)
+                    failures.append(f"{name}: {exc.reason}")
+                    spent = (time.perf_counter_ns() - t_sent) / 1e9
+                    which = timeout_fired(exc.reason, pc.timeouts, req.stream, left, spent)
+                    if which is not None:
+                        fired.append(which)
+                    gw.metrics.attempts.labels(out.pool.name, name, _attempt_outcome(exc)).inc()
+                    if current.view.circuit != "half_open":  # a failed trial uses no retry
+                        retries -= 1
+                    nxt = next(candidates, None) if retries >= 0 else None
+                    attempt = await out.router.dispatch(out.pool, out.routing, nxt) if nxt else None
+                    continue
+                fwd.t_first = time.perf_counter_ns()
+                fwd.replica, fwd.status = name, opened.status
+                current.prefilled()
+                try:
+                    await self.deliver(out, opened, send, fwd)
+                finally:
+                    opened.free()  # the answer is with the client (or never will be)
+                ok = opened.status < 500 and fwd.outcome == "ok"
+                # the replica's own TTFT (sent -> first byte), not the client's: no queue time in it
+                ttft_s = (fwd.t_first - t_sent) / 1e9 if req.stream and fwd.status == 200 else None
+                await current.finished(ok, fwd.status == 200, ttft_s, f"upstream {fwd.outcome}")
+                return fwd
+            finally:
+                current.done()
+                gw.notify_capacity(out.pool.name)
+        fwd.error = _all_failed(failures, fired, pc.timeouts, out.expose_errors)
+        return fwd
+
+    async def deliver(self, out: Outbound, opened: Opened, send: Send, fwd: Forwarded) -> None:
+        """Relay the chosen replica's answer and read its usage."""
+        status = opened.status
+        if status != 200:
+            body = normalize_error_body(status, opened.first, out.expose_errors)
+            await send_whole(opened, send, out.extra, body)
+            fwd.outcome, fwd.error_type = "upstream_error", f"upstream_{status}"
+            fwd.t_last = time.perf_counter_ns()
+            return
+        usage: Any
+        if out.req.stream:
+            tap = StreamTap(strip_usage=not out.req.include_usage)
+            broke = await relay_stream(opened, send, out.extra, tap, live=self.gw.live_streams)
+            fwd.t_last = time.perf_counter_ns()
+            if broke is not None:
+                fwd.outcome, fwd.error_type = "broken_mid_stream", broke.type
+            usage = tap.usage
+        else:
+            await send_whole(opened, send, out.extra)
+            fwd.t_last = time.perf_counter_ns()
+            usage = opened.parsed.get("usage") if opened.parsed is not None else None
+        if isinstance(usage, dict):
+            fwd.input_tokens = _count(usage.get("prompt_tokens"))
+            fwd.output_tokens = _count(usage.get("completion_tokens"))
+            details = usage.get("prompt_tokens_details")
+            fwd.cached_tokens = (
+                _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+            )
+
+
+def _all_failed(
+    failures: list[str], fired: list[str], timeouts: TimeoutsConfig, expose: bool
+) -> GatewayError:
+    detail = "; ".join(failures) if expose else ""
+    n = len(failures)
+    if fired:
+        limits = ", ".join(f"{t} ({getattr(timeouts, t):g} s)" for t in dict.fromkeys(fired))
+        return UpstreamTimeout(
+            f"No replica answered in time: {limits} ran out "
+            f"({n} attempt{'' if n == 1 else 's'}). {detail}".strip()
+        )
+    return UpstreamError(f"All {n} attempted replicas failed. {detail}".strip())
+
+
+_TIMEOUTS = ("connect_s", "first_byte_s", "idle_s", "total_s")
+_EARLY_S = 0.005  # timers fire a little early or late; `spent` also counts the send
+
+
+def timeout_fired(
+    reason: str, timeouts: TimeoutsConfig, stream: bool, left_s: float, spent_s: float
+) -> str | None:
+    """Which of a pool's timeouts ended a failed attempt; None when it was no timeout.
+
+    A reason that names one wins. A connect that timed out is connect_s. Otherwise the attempt
+    had `left_s` of total_s: if it ran that long, total_s fired. Else a non-streamed request
+    waited its headers under total_s too, so its body stalled: idle_s. A stream waited under
+    first_byte_s, or under idle_s once the headers came (only when idle_s is the shorter, and
+    only before first_byte_s had passed).
+    """
+    if reason.startswith("connection") and "timed out" in reason:
+        return "connect_s"
+    if not reason.startswith("timeout"):
+        return None
+    named = [t for t in _TIMEOUTS if t in reason]
+    if named:
+        return named[0]
+    if spent_s >= left_s - _EARLY_S:
+        return "total_s"
+    if not stream:
+        return "idle_s"
+    if timeouts.idle_s < timeouts.first_byte_s and spent_s < timeouts.first_byte_s - _EARLY_S:
+        return "idle_s"
+    return "first_byte_s"
+
+
+def _attempt_outcome(exc: Retryable) -> str:
+    if exc.status is not None:
+        return f"status_{exc.status}"
+    if exc.reason.startswith("timeout"):
+        return "timeout"
+    return "connect_error" if exc.reason.startswith("connection") else "closed_early"
+
+
+def _count(v: Any) -> int | None:
+    """A usage count: a non-negative int, else unknown (a replica's nonsense counts as none)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None

@@ -1,0 +1,193 @@
+"""The Redis backend: buckets shared by every gateway process, one script call per decision."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from .base import Clock, Rule, RuleState, Verdict, check_costs, rule_state
+
+log = logging.getLogger("gateway.ratelimit")
+
+# What both scripts share. Each bucket is a hash {v: level, t: seconds}; Redis TIME is the clock,
+# so every gateway process agrees. Numbers go out as strings (Lua numbers would be truncated to
+# integers on the way out). A bucket's key lives as long as the bucket takes to fill again (+1 s).
+_BUCKETS = """
+local function s(x) return string.format('%.17g', x) end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function level(key, rate, burst)
+  local b = redis.call('HMGET', key, 'v', 't')
+  local v = tonumber(b[1])
+  if v == nil then return burst end
+  return math.min(burst, v + math.max(0, now - tonumber(b[2])) * rate)
+end
+local function store(key, v, rate, burst)
+  redis.call('HSET', key, 'v', s(v), 't', s(now))
+  redis.call('PEXPIRE', key, math.ceil((burst - v) / rate * 1000) + 1000)
+end
+"""
+
+# KEYS: one bucket per rule; ARGV: rate, burst, cost per key. Returns {allowed, wait, flags per
+# rule ("0" fits, "1" short now, "2" deeper than the bucket: never fits), level after, ...}. A cost
+# is taken whole or not at all.
+_ACQUIRE = (
+    _BUCKETS
+    + """
+local n = #KEYS
+local levels, needs = {}, {}
+local wait = 0
+local short = ''
+for i = 1, n do
+  local rate, burst = tonumber(ARGV[3*i-2]), tonumber(ARGV[3*i-1])
+  local cost = math.max(0, tonumber(ARGV[3*i]))
+  local v = level(KEYS[i], rate, burst)
+  if cost > burst + 1e-9 then
+    short = short .. '2'
+  elseif v + 1e-9 < cost then
+    wait = math.max(wait, (cost - v) / rate)
+    short = short .. '1'
+  else
+    short = short .. '0'
+  end
+  levels[i], needs[i] = v, cost
+end
+local allowed = not string.find(short, '[12]')
+local out = {allowed and '1' or '0', s(wait), short}
+for i = 1, n do
+  if allowed then
+    levels[i] = levels[i] - needs[i]
+    store(KEYS[i], levels[i], tonumber(ARGV[3*i-2]), tonumber(ARGV[3*i-1]))
+  end
+  out[#out+1] = s(levels[i])
+end
+return out
+"""
+)
+
+# KEYS[1]: one bucket; ARGV: rate, burst, delta (taken; negative gives back).
+_ADJUST = (
+    _BUCKETS
+    + """
+local rate, burst, delta = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local v = math.min(burst, level(KEYS[1], rate, burst) - delta)
+store(KEYS[1], v, rate, burst)
+return s(v)
+"""
+)
+
+
+def _safe_url(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}"
+
+
+class RedisRateLimiter:
+    """Buckets in Redis, shared by every gateway process; one script call (one round trip) each.
+
+    Keys are `<namespace>:{<key>}:<rule>` hashes with a TTL of their refill time, so idle buckets
+    vanish. When Redis is unreachable the limiter fails open: it allows, warns once per outage,
+    skips Redis for `probe_s`, then probes again and recovers by itself. At most
+    `max_connections` calls are in flight; the rest wait their turn in a gate (a queue, not an
+    outage) and skip Redis at once if it went down meanwhile.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str = "kvgw:rl",
+        *,
+        timeout_s: float = 0.25,
+        probe_s: float = 1.0,
+        max_connections: int = 32,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.namespace = namespace
+        self._where = _safe_url(url)
+        self._timeout_s = timeout_s
+        self._probe_s = probe_s
+        self._clock = clock
+        pool = ConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1),
+        )
+        self._redis = Redis.from_pool(pool)
+        self._gate = asyncio.Semaphore(max_connections)
+        self._acquire = self._redis.register_script(_ACQUIRE)
+        self._adjust = self._redis.register_script(_ADJUST)
+        self._down = False
+        self._next_probe = 0.0
+
+    def bucket_key(self, key: str, rule: Rule) -> str:
+        return f"{self.namespace}:{{{key}}}:{rule.name}"
+
+    async def acquire(self, key: str, rules: Sequence[Rule], costs: Sequence[float]) -> Verdict:
+        check_costs(rules, costs)
+        if not rules:
+            return Verdict(True, 0.0)
+        args: list[float] = []
+        for r, c in zip(rules, costs, strict=True):
+            args += [r.rate_per_s, r.burst, c]
+        keys = [self.bucket_key(key, r) for r in rules]
+        reply = await self._call(self._acquire, keys, args)
+        if reply is None:
+            states = tuple(RuleState(r, r.burst, r.burst, 0.0) for r in rules)
+            return Verdict(True, 0.0, states, degraded=True)
+        levels = [float(x) for x in reply[3:]]
+        states = tuple(rule_state(r, lv) for r, lv in zip(rules, levels, strict=True))
+        flags = reply[2].decode()
+        blocked = tuple(r.name for r, flag in zip(rules, flags, strict=True) if flag != "0")
+        oversized = tuple(
+            (r.name, max(0.0, float(c)))
+            for r, c, flag in zip(rules, costs, flags, strict=True)
+            if flag == "2"
+        )
+        return Verdict(reply[0] == b"1", float(reply[1]), states, blocked, oversized=oversized)
+
+    async def adjust(self, key: str, rule: Rule, delta: float) -> None:
+        await self._call(
+            self._adjust, [self.bucket_key(key, rule)], [rule.rate_per_s, rule.burst, delta]
+        )
+
+    async def _call(self, script: object, keys: list[str], args: list[float]) -> list[bytes] | None:
+        """The script's reply, or None when Redis is down (or was, and the probe is not due)."""
+        async with self._gate:
+            probing = self._down
+            if probing:
+                now = self._clock()
+                if now < self._next_probe:
+                    return None
+                self._next_probe = now + self._probe_s  # one probe per interval, not per request
+            try:
+                async with asyncio.timeout(self._timeout_s * 4):  # connect + one retry, bounded
+                    reply = await script(keys=keys, args=args)  # type: ignore[operator]
+            except (RedisError, OSError, TimeoutError) as exc:
+                if not self._down:
+                    self._down = True
+                    self._next_probe = self._clock() + self._probe_s
+                    log.warning(
+                        "rate limit Redis at %s unreachable (%s: %s); allowing requests "
+                        "unlimited until it answers again",
+                        self._where,
+                        type(exc).__name__,
+                        exc,
+                    )
+                return None
+            if probing and self._down:
+                self._down = False
+                log.info("rate limit Redis at %s answers again; limits apply", self._where)
+            return reply  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()

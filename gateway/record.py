@@ -1,0 +1,194 @@
+"""What one request did (`Record`), and its recording: metrics, the rolling window, the trace.
+
+The pipeline's steps return values; `Pipeline.handle` writes them into the request's Record, and
+`Recorder.record` turns the Record into metrics and a trace once the request is over, whatever
+happened to it (served, refused, failed, or the client gone).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from policies.types import Decision
+
+from .errors import GatewayError
+from .failover import Forwarded
+from .pools import Pool
+from .ratelimit import Rule
+from .router import Routing
+from .tracing import RequestTrace
+
+if TYPE_CHECKING:
+    from .runtime import Gateway
+
+
+@dataclass(slots=True)
+class Record:
+    """perf_counter_ns times; 0 = did not happen."""
+
+    t_in: int
+    trace: RequestTrace | None = None
+    snapshot: int = 0  # the version of the config snapshot the request ran on
+    request_id: str = ""
+    tenant: str = "anonymous"
+    model: str = ""
+    stream: bool = False
+    priority: str = ""
+    pool: str = "none"
+    prompt_tokens: int = 0
+    policy: str = ""
+    reason: str = ""
+    prompt_blocks: int = 0
+    predicted_hit_blocks: int = 0
+    stages: tuple[int, int, int] = (0, 0, 0)  # ns spent hashing, matching, choosing
+    t_route: int = 0
+    t_queue: int = 0
+    t_admitted: int = 0
+    t_routed: int = 0
+    charged: list[tuple[Rule, int]] = field(default_factory=list)  # token buckets: what each took
+    sent: Forwarded = field(default_factory=Forwarded)
+    status: int = 0  # of the answer the client got
+    outcome: str = "ok"
+    error_type: str | None = None
+
+    def routed(self, routing: Routing, decision: Decision) -> None:
+        self.policy, self.reason = decision.policy, decision.reason
+        self.prompt_blocks = len(routing.routed.block_hashes)
+        self.predicted_hit_blocks = decision.predicted_hit_blocks
+        self.stages = (routing.hash_ns, routing.match_ns, routing.choose_ns)
+
+    def failed(self, exc: GatewayError) -> None:
+        self.status, self.outcome, self.error_type = exc.status, "error", exc.type
+
+    @property
+    def replica(self) -> str:
+        return self.sent.replica
+
+    def tokens_used(self) -> int | None:
+        """Tokens the request used as far as the limits go: 0 when no replica served it or the
+        replica refused it (no generation), None when a 200 came without a usable usage."""
+        sent = self.sent
+        if sent.replica == "none" or sent.status != 200:
+            return 0
+        if sent.output_tokens is None:
+            return None
+        return (sent.input_tokens or self.prompt_tokens) + sent.output_tokens
+
+
+class Recorder:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    def decision(self, pool: Pool, routing: Routing, decision: Decision) -> None:
+        m = self.gw.metrics
+        routed = routing.routed
+        m.routing_time.labels(pool.name).observe(
+            (routing.hash_ns + routing.match_ns + routing.choose_ns) / 1e9
+        )
+        m.decisions.labels(pool.name, decision.policy, decision.reason).inc()
+        # kept as a tuple; turned into JSON only when someone looks (/debug/decisions, /dashboard)
+        self.gw.recent.append(
+            (time.time(), routed.request_id, pool.name, routed.prompt_tokens,
+             len(routed.block_hashes), decision)
+        )  # fmt: skip
+
+    def queue_wait(self, pool: str, priority: str, waited_s: float) -> None:
+        self.gw.metrics.queue_wait.labels(pool, priority).observe(waited_s)
+
+    def record(self, rec: Record) -> None:
+        """Metrics, the window and the trace of one finished request."""
+        m = self.gw.metrics
+        now = time.perf_counter_ns()
+        sent = rec.sent
+        status = rec.status or sent.status
+        if rec.outcome == "ok" and sent.outcome != "ok":
+            rec.outcome, rec.error_type = sent.outcome, sent.error_type
+        if rec.outcome != "ok" and rec.error_type:
+            m.errors.labels(rec.pool, rec.error_type).inc()
+        pool, replica = rec.pool, sent.replica
+        e2e = (now - rec.t_in) / 1e9
+        m.requests.labels(pool, replica, str(status or 499), rec.priority or "none").inc()
+        m.duration.labels(pool).observe(e2e)
+        served = replica != "none" and status == 200
+        ttft = tpot = None
+        prompt = sent.input_tokens or rec.prompt_tokens
+        if served:
+            m.attempts.labels(pool, replica, rec.outcome).inc()
+            if rec.stream and sent.t_first:
+                ttft = (sent.t_first - rec.t_in) / 1e9
+                m.ttft.labels(pool, replica).observe(ttft)
+                out = sent.output_tokens
+                if out and out > 1 and sent.t_last > sent.t_first:
+                    tpot = (sent.t_last - sent.t_first) / 1e9 / (out - 1)
+                    m.tpot.labels(pool, replica).observe(tpot)
+            m.prompt_length.labels(pool).observe(prompt)
+            m.prompt_tokens.labels(pool).inc(prompt)
+            if sent.output_tokens:
+                m.output_tokens.labels(pool).inc(sent.output_tokens)
+            if rec.prompt_blocks:
+                m.prompt_blocks.labels(pool).inc(rec.prompt_blocks)
+                m.predicted_hit_blocks.labels(pool).inc(rec.predicted_hit_blocks)
+            if sent.cached_tokens is not None and sent.input_tokens:
+                m.observed_prompt_tokens.labels(pool).inc(sent.input_tokens)
+                m.observed_cached_tokens.labels(pool).inc(sent.cached_tokens)
+        elif replica != "none":
+            m.attempts.labels(pool, replica, f"status_{status // 100}xx").inc()
+        if pool != "none":
+            self.gw.window.observe(
+                pool,
+                replica,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                e2e_s=e2e,
+                prompt_tokens=prompt,
+                prompt_blocks=rec.prompt_blocks if served else 0,
+                predicted_hit_blocks=rec.predicted_hit_blocks if served else 0,
+                cached_tokens=sent.cached_tokens,
+                input_tokens=sent.input_tokens,
+                ok=rec.outcome == "ok",
+            )
+        if rec.trace is not None:
+            _finish_trace(rec, rec.trace, status, now)
+
+
+def _finish_trace(rec: Record, tr: RequestTrace, status: int, now: int) -> None:
+    ep, sent = tr.epoch_ns, rec.sent
+    # hash + match run before the admission queue, choose after it (in stage attributes)
+    route = (ep(rec.t_route), ep(rec.t_queue)) if rec.t_queue else None
+    queue = (ep(rec.t_queue), ep(rec.t_admitted)) if rec.t_admitted else None
+    prefill = (ep(sent.t_sent), ep(sent.t_first)) if sent.t_first else None
+    streamed = rec.stream and sent.t_last and sent.t_first
+    decode = (ep(sent.t_first), ep(sent.t_last)) if streamed else None
+    routed = bool(rec.t_routed)
+    tr.finish(
+        queue=queue,
+        route=route,
+        prefill=prefill,
+        decode=decode,
+        end_ns=ep(now),
+        attrs={
+            "model": rec.model,
+            "tenant": rec.tenant,
+            "priority": rec.priority or None,
+            "pool": rec.pool,
+            "replica": sent.replica if sent.replica != "none" else None,
+            "policy": rec.policy or None,
+            "route_reason": rec.reason or None,
+            "config_version": rec.snapshot or None,
+            "prompt_tokens_estimated": rec.prompt_tokens,
+            "prompt_blocks": rec.prompt_blocks,
+            "predicted_cached_blocks": rec.predicted_hit_blocks,
+            "route_hash_us": rec.stages[0] // 1000 if routed else None,
+            "route_match_us": rec.stages[1] // 1000 if routed else None,
+            "route_choose_us": rec.stages[2] // 1000 if routed else None,
+            "input_tokens": sent.input_tokens,
+            "output_tokens": sent.output_tokens,
+            "retries": max(0, len(sent.tried) - 1),
+            "replicas_tried": sent.tried or None,
+            "outcome": rec.outcome,
+            "status_code": status or None,
+        },
+        error_type=rec.error_type if rec.outcome != "ok" else None,
+    )

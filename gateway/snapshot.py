@@ -1,0 +1,168 @@
+"""`Snapshot`: everything a request needs, built by one function; a reload is one reference swap.
+
+A request takes the gateway's current snapshot once, when it arrives, and uses only that: its
+tenant, limits, pool, replicas, policy, chunker, index and admission queue all come from one
+config. A reload (or discovery, or the tokens-mode fallback) builds a new snapshot beside the
+running one and swaps the reference; requests in flight finish on the snapshot they took.
+
+What carries over from the previous snapshot when its settings are unchanged: replica states
+(circuit, load, counters), policies (their learned state), the chunker, admission (its queues),
+the index and the rate limiter (their connections and data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
+
+from prefix_index import PrefixIndex, open_index
+from prefix_index.chunking import Chunker, make_chunker
+
+from .admission import Admission
+from .config import Config
+from .pools import OnChange, Pool, Update, build_pools
+from .ratelimit import RateLimiter, open_rate_limiter
+from .replicas import ReplicaState
+from .router import Router
+from .tenants import TenantDirectory
+
+log = logging.getLogger("gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    version: int  # 1 for the first config, +1 for every swap
+    config: Config
+    pools: Mapping[str, Pool]
+    tenants: TenantDirectory
+    admission: Admission
+    chunker: Chunker
+    index: PrefixIndex | None
+    limiter: RateLimiter | None
+    router: Router  # over this snapshot's chunker and index
+
+    def replicas(self) -> list[ReplicaState]:
+        return [r for p in self.pools.values() for r in p.replicas]
+
+    def replace(self, **parts: Any) -> Snapshot:
+        """The next snapshot: these parts changed, the rest (and the router, unless its chunker or
+        index changed) carried over."""
+        nxt = dataclasses.replace(self, version=self.version + 1, **parts)
+        if nxt.chunker is not self.chunker or nxt.index is not self.index:
+            nxt = dataclasses.replace(nxt, router=Router(nxt.chunker, nxt.index))
+        return nxt
+
+
+@dataclass(slots=True)
+class Built:
+    """A snapshot not yet swapped in: `apply()` at the swap; `discard()` if it never is."""
+
+    snapshot: Snapshot
+    updates: list[Update]  # kept replicas' new settings
+    opened: list[PrefixIndex | RateLimiter] = field(default_factory=list)  # stores new to it
+
+    def apply(self) -> None:
+        for state, pc, rc in self.updates:
+            state.update(pc, rc)
+
+    async def discard(self) -> None:
+        for part in self.opened:
+            await close_quietly(part, "a part of a config that was not applied")
+        self.opened.clear()
+
+
+def build_snapshot(config: Config, prev: Snapshot | None, on_change: OnChange) -> Built:
+    """The snapshot for `config`, reusing what `prev` has with the same settings; the index and
+    the rate limiter are carried over when their settings are unchanged, else left for
+    `open_stores`. Nothing of `prev` changes here (kept replicas' new settings wait in `updates`),
+    so a config whose parts fail to build (a tokenizer file that is not one) changes nothing."""
+
+    def same(*paths: str) -> bool:
+        return prev is not None and all(
+            attrgetter(p)(prev.config) == attrgetter(p)(config) for p in paths
+        )
+
+    updates: list[Update] = []
+    pools = build_pools(config, prev.pools if prev is not None else {}, on_change, updates)
+    tenants = TenantDirectory(config.auth, config.tenants, config.priority_classes)
+    if prev is not None and same("index.chunking"):
+        chunker = prev.chunker
+    else:
+        chunker = _chunker(config)
+    if prev is not None and same("priority_classes", "admission"):
+        admission = prev.admission
+    else:
+        admission = Admission(config.priority_classes, shed_status=config.admission.shed_status)
+    index = prev.index if prev is not None and same("index") else None
+    limiter = prev.limiter if prev is not None and same("ratelimit") else None
+    if not _needs_limiter(config):
+        limiter = None
+    version = prev.version + 1 if prev is not None else 1
+    snap = Snapshot(
+        version, config, pools, tenants, admission, chunker, index, limiter, Router(chunker, index)
+    )
+    return Built(snap, updates)
+
+
+async def open_stores(built: Built) -> None:
+    """Open the index and the rate limiter `built` lacks: both or neither (one that opened is
+    closed again if the other fails)."""
+    snap = built.snapshot
+    index, limiter = snap.index, snap.limiter
+    try:
+        if index is None:
+            index = _open_index(snap.config)
+            built.opened.append(index)
+        if limiter is None and _needs_limiter(snap.config):
+            rl = snap.config.ratelimit
+            limiter = open_rate_limiter(rl.backend, rl.redis_url)
+            built.opened.append(limiter)
+    except BaseException:
+        await built.discard()
+        raise
+    built.snapshot = dataclasses.replace(
+        snap, index=index, limiter=limiter, router=Router(snap.chunker, index)
+    )
+
+
+def _chunker(config: Config) -> Chunker:
+    ch = config.index.chunking
+    return make_chunker(
+        ch.mode,
+        block_bytes=ch.block_bytes,
+        tokenizer=ch.tokenizer,
+        block_size=ch.block_size,
+        chat_template=ch.chat_template,
+    )
+
+
+def bytes_chunker(config: Config) -> Chunker:
+    """The fallback when a replica's tokenizer differs from the configured one."""
+    return make_chunker("bytes", block_bytes=config.index.chunking.block_bytes)
+
+
+def _open_index(config: Config) -> PrefixIndex:
+    ic = config.index
+    return open_index(
+        ic.backend,
+        redis_url=ic.redis_url,
+        capacity_blocks=ic.capacity_blocks,
+        ttl_s=ic.ttl_s,
+        routed_ttl_s=ic.events.routed_ttl_s,
+        max_blocks=ic.max_blocks,
+    )
+
+
+def _needs_limiter(config: Config) -> bool:
+    return any(t.limits.rules() or t.limits.per_model for t in config.tenants)
+
+
+async def close_quietly(part: PrefixIndex | RateLimiter, what: str) -> None:
+    try:
+        await part.aclose()
+    except Exception:
+        log.warning("closing %s failed", what, exc_info=True)

@@ -1,0 +1,196 @@
+"""Starting things on loopback for the tests, the benches and the demo: a free port, an ASGI app
+served in the running event loop, a simulated fleet in a subprocess, child processes stopped.
+
+Also the two chores every fake replica has (the lifespan protocol, reading a request body) and the
+streaming client loop the demo and the benches time first tokens with. `simulator.fleet.Fleet` is
+the in-process fleet. Nothing here imports the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import uvicorn
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    Lifespan = Literal["auto", "on", "off"]
+
+Receive = Callable[[], Awaitable[Any]]
+Send = Callable[[Any], Awaitable[None]]
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (for a process that binds it later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- servers -------------------------------------------------------------------------------------
+def server_config(
+    app: Any,
+    port: int = 0,
+    lifespan: Lifespan = "auto",
+    *,
+    host: str = "127.0.0.1",
+    http: str | type[asyncio.Protocol] = "httptools",
+    graceful_s: float | None = 2,
+    loop: str = "none",
+) -> uvicorn.Config:
+    """uvicorn's settings for a harness server: no logging config, no access log, a graceful
+    shutdown of `graceful_s`; `loop="none"` runs it in the caller's event loop."""
+    return uvicorn.Config(
+        app, host=host, port=port, lifespan=lifespan, log_config=None, access_log=False,
+        loop=loop, http=http, timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+class Served:
+    """A server `start_server` started: its uvicorn server, the task serving, its port and URL."""
+
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], port: int) -> None:
+        self.server = server
+        self.task = task
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_server(
+    app: Any,
+    port: int = 0,
+    lifespan: Lifespan = "auto",
+    *,
+    http: str | type[asyncio.Protocol] = "httptools",
+    graceful_s: float | None = 2,
+    startup_s: float = 15.0,
+) -> Served:
+    """Serve `app` on 127.0.0.1:`port` (0: ephemeral) in the running loop, once it listens.
+
+    Signals stay with whoever owns the process; `http` is uvicorn's implementation (a name, or a
+    protocol class such as the gateway's own)."""
+    server = uvicorn.Server(server_config(app, port, lifespan, http=http, graceful_s=graceful_s))
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    task = asyncio.create_task(server.serve())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + startup_s
+    while not (server.started or task.done()):  # noqa: ASYNC110 - uvicorn offers no event
+        if loop.time() > deadline:
+            server.should_exit = True
+            await task
+            raise RuntimeError(f"the server did not start within {startup_s} s")
+        await asyncio.sleep(0.005)
+    if task.done():
+        task.result()
+        raise RuntimeError("the server exited during startup")
+    return Served(server, task, int(server.servers[0].sockets[0].getsockname()[1]))
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    app: Any, port: int = 0, lifespan: Lifespan = "auto", **options: Any
+) -> AsyncIterator[Served]:
+    """`start_server` as a context: stopped on the way out."""
+    served = await start_server(app, port, lifespan, **options)
+    try:
+        yield served
+    finally:
+        await served.stop()
+
+
+# --- processes -----------------------------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def simulated_fleet(n: int, *sim_args: str) -> AsyncIterator[list[str]]:
+    """`python -m simulator --replicas n --port 0 *sim_args` in a subprocess; yields its URLs."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "simulator", "--replicas", str(n), "--port", "0", *sim_args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    urls: list[str] = []
+    assert proc.stdout is not None
+    try:
+        while len(urls) < n:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            if not line:
+                raise RuntimeError("the simulator exited before it was ready")
+            urls += [w for w in line.split() if w.startswith("http://")]
+        yield urls
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        await proc.wait()
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+    """SIGTERM them all, then wait for each; one still running after `timeout_s` is killed."""
+    procs = list(procs)
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+# --- fake replicas -------------------------------------------------------------------------------
+async def lifespan_done(scope: Mapping[str, Any], receive: Receive, send: Send) -> bool:
+    """For a fake replica's ASGI callable: answer a lifespan scope (start and stop at once) and
+    return True, so the caller returns; False for any other scope."""
+    if scope["type"] != "lifespan":
+        return False
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return True
+
+
+async def read_body(receive: Receive) -> bytes:
+    """The whole request body, however many messages it comes in."""
+    body: bytes = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
+
+
+# --- clients -------------------------------------------------------------------------------------
+async def stream_chat(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: Mapping[str, str] | None = None,
+    on_first: Callable[[], None] | None = None,
+) -> int:
+    """POST a streamed chat request (`body`, JSON) to `url`/v1/chat/completions and read the answer
+    to its end; `on_first()` runs when the first chunk with content arrives. Returns the status
+    (the body of a non-200 answer is read and dropped). aiohttp's errors reach the caller."""
+    async with session.post(
+        url + "/v1/chat/completions",
+        data=body,
+        headers={"content-type": "application/json", **(headers or {})},
+    ) as res:
+        if res.status != 200:
+            await res.read()
+            return res.status
+        async for chunk in res.content.iter_any():
+            if on_first is not None and b'"content"' in chunk:
+                on_first()
+                on_first = None
+        return 200
