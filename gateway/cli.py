@@ -85,7 +85,7 @@ def app_from_env() -> object:
     overrides = json.loads(os.environ.get("KVGATEWAY_OVERRIDES", "{}"))
     config = config.model_copy(update={"server": config.server.model_copy(update=overrides)})
     setup_logging(config.server.log_level, config.server.log_format)
-    return create_app(config, config_path=path)
+    return create_app(config, config_path=path, own_process=True)
 
 
 def serve(
@@ -119,7 +119,7 @@ def serve(
         os.environ["KVGATEWAY_OVERRIDES"] = json.dumps(overrides or {})
         uvicorn.run("gateway.cli:app_from_env", factory=True, workers=workers, **common)  # type: ignore[arg-type]
         return
-    app = create_app(config, config_path=config_path)
+    app = create_app(config, config_path=config_path, own_process=True)
     uvicorn.Server(uvicorn.Config(app, **common)).run()  # type: ignore[arg-type]
 
 
