@@ -16,9 +16,7 @@ import logging
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
-import httpx
-
-from .control_client import get_json
+from .control_client import ControlClient, get_json
 from .discovery import DiscoveryConfig, DiscoveryError
 from .kv_subscriber import KvEvents, check_parity
 from .replicas import ReplicaMonitor, ReplicaState
@@ -32,7 +30,7 @@ Endpoints = list[tuple[str, str]]  # (name, url) of every ready replica of a poo
 class Background:
     def __init__(
         self,
-        session: httpx.AsyncClient,
+        session: ControlClient,
         current: Callable[[], Snapshot],
         set_endpoints: Callable[[str, Endpoints], None],
         fall_back_to_bytes: Callable[[], None],

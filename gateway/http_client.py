@@ -3,7 +3,7 @@
 One request per connection at a time, idle ones pooled per origin and closed once idle past their
 TTL. This module holds the connections, their pool and the timer wheel; `http_response.py` one
 response (the parser, body buffer, backpressure), `http_errors.py` the errors. The control plane
-(probes, scrapes, discovery) uses httpx instead (`control_client.py`).
+(probes, scrapes, model lists) runs on its own instance (`control_client.py`).
 """
 
 from __future__ import annotations
@@ -234,6 +234,12 @@ class HttpClient:
                 resp.abort()
                 raise
             return resp
+
+    async def __aenter__(self) -> HttpClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     async def aclose(self) -> None:
         """Close every connection, idle or busy (busy responses fail), and wait until they are."""

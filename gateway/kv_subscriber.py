@@ -14,12 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from prefix_index.chunking import scope_key
 from prefix_index.events import EventDecodeError, KvEventApplier, decode_batch
 
-from .control_client import post_json
+from .control_client import ControlClient, post_json
 
 log = logging.getLogger("gateway.kv_subscriber")
 
@@ -234,7 +232,7 @@ def _scopes(model: str | None) -> Callable[[str | None], str | None]:
 
 
 async def check_parity(
-    client: httpx.AsyncClient, url: str, model: str | None, chunker: Any
+    client: ControlClient, url: str, model: str | None, chunker: Any
 ) -> bool | None:
     """Does the engine tokenize as the gateway does? A completion probe against
     `chunker.encode`, then a chat probe against `chunker.chat_prompt` (the chat template).
@@ -251,7 +249,7 @@ async def check_parity(
 
 
 async def _tokenize(
-    client: httpx.AsyncClient, url: str, model: str | None, body: dict[str, Any]
+    client: ControlClient, url: str, model: str | None, body: dict[str, Any]
 ) -> list[int] | None:
     """The engine's token ids for `body` (`/tokenize`); None when it cannot say."""
     if model:

@@ -12,12 +12,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
-
 from policies.types import ReplicaView
 
 from .config import HealthConfig, PoolConfig, ReplicaConfig, ScrapeConfig
-from .control_client import CONTROL_ERRORS, fetch, status_of
+from .control_client import CONTROL_ERRORS, ControlClient, fetch, status_of
 from .scrape import LoadSample, parse_metrics
 
 log = logging.getLogger("gateway.replicas")
@@ -197,7 +195,7 @@ class ReplicaMonitor:
     def __init__(
         self,
         replica: ReplicaState,
-        client: httpx.AsyncClient,
+        client: ControlClient,
         health: HealthConfig,
         scrape: ScrapeConfig,
     ) -> None:

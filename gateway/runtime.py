@@ -13,8 +13,6 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-import httpx
-
 from prefix_index import PrefixIndex
 from prefix_index.chunking import Chunker
 
@@ -22,7 +20,7 @@ from .admission import Admission, shed_all
 from .background import Background
 from .budgets import AnswerBudget, LiveStreams
 from .config import Config, ReplicaConfig
-from .control_client import open_control_client
+from .control_client import ControlClient, open_control_client
 from .http_client import HttpClient
 from .kv_subscriber import KvEvents
 from .metrics import Metrics
@@ -49,7 +47,7 @@ class Gateway:
         self.recent: deque[tuple[Any, ...]] = deque(maxlen=DECISIONS_KEPT)  # see decisions()
         self.answers = AnswerBudget()  # answer bytes held: server.max_answer_bytes_in_flight
         self.live_streams = LiveStreams()  # streams a graceful shutdown ends before it runs out
-        self._session: httpx.AsyncClient | None = None  # probes, scrapes, /v1/models
+        self._session: ControlClient | None = None  # probes, scrapes, /v1/models
         self._upstream: HttpClient | None = None  # the request path
         self._background: Background | None = None
         self.metrics.watch_replicas(self.all_replicas)
@@ -101,7 +99,7 @@ class Gateway:
         return self.current.replicas()
 
     @property
-    def session(self) -> httpx.AsyncClient:
+    def session(self) -> ControlClient:
         assert self._session is not None, "Gateway.start() was not awaited"
         return self._session
 

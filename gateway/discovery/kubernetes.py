@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import orjson
 
-from ..control_client import open_control_client
+from ..control_client import open_api_client
 from .base import DiscoveryError, Endpoint, describe, endpoint, log, settled, warn_outage
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -146,7 +146,7 @@ class KubernetesDiscovery:
         last: list[Endpoint] | None = None
         rv: str | None = None  # None: list before watching
         failures = 0  # consecutive, for the backoff; the outage is logged at the first
-        async with open_control_client(_CONNECT_S, verify=api.ssl) as client:
+        async with open_api_client(_CONNECT_S, verify=api.ssl) as client:
             while True:
                 try:
                     if rv is None:

@@ -1,4 +1,4 @@
-"""The control plane's client (httpx) against a raw HTTP/1.1 server on loopback: what health probes,
+"""The control plane's client (the lean HttpClient) against a raw HTTP/1.1 server on loopback: what health probes,
 metric scrapes, model lists and parity checks make of refusals, silence, bad and huge bodies; one
 connection reused; nothing taken from the environment."""
 
@@ -10,13 +10,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import httpx
 import orjson
 import pytest
 
 from gateway.config import HealthConfig, PoolConfig, ReplicaConfig, ScrapeConfig
 from gateway.control_client import (
     BodyTooLarge,
+    ControlClient,
     fetch,
     get_json,
     open_control_client,
@@ -92,12 +92,12 @@ async def raw_server(routes: dict[str, Handler]) -> AsyncIterator[RawServer]:
 
 
 @contextlib.asynccontextmanager
-async def client() -> AsyncIterator[httpx.AsyncClient]:
+async def client() -> AsyncIterator[ControlClient]:
     async with open_control_client(2.0) as c:
         yield c
 
 
-def monitor(url: str, c: httpx.AsyncClient, timeout_s: float = 1.0) -> ReplicaMonitor:
+def monitor(url: str, c: ControlClient, timeout_s: float = 1.0) -> ReplicaMonitor:
     health = HealthConfig(timeout_s=timeout_s, failures_to_open=1)
     scrape = ScrapeConfig(timeout_s=timeout_s)
     pool = PoolConfig(replicas=(ReplicaConfig(url=url),), health=health, scrape=scrape)
