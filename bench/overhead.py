@@ -62,6 +62,7 @@ class Variant:
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)
     rust_policy: str | None = None  # a row of the public Rust router (sglang-router), not ours
+    server: str = "uvicorn"  # the HTTP server the gateway's ASGI app runs under
 
 
 def variants(args: argparse.Namespace, sink_url: str) -> list[Variant]:
@@ -73,6 +74,12 @@ def variants(args: argparse.Namespace, sink_url: str) -> list[Variant]:
     if args.tracing == "otlp":
         otlp = {"tracing": {"exporter": "otlp_http", "endpoint": sink_url, "sampling_ratio": 1.0}}
         out += [Variant(v.name + "+otlp", _merge(v.overrides, otlp)) for v in out]
+    if "granian" in args.servers:  # the same app under another server, for the first policy
+        if shutil.which("granian", path=str(GATEWAY_BIN.parent)) is None:
+            print("bench.overhead: granian is not installed (pip install granian): no granian row",
+                  file=sys.stderr)  # fmt: skip
+        else:
+            out.append(Variant(f"{out[0].name}@granian", out[0].overrides, server="granian"))
     if args.rust == "auto" and rust_router_installed():
         out += [Variant(f"sgl-{p}", rust_policy=p) for p in RUST_POLICIES]
     return out
@@ -180,11 +187,26 @@ def http_requests(port: int, bodies: list[bytes]) -> list[bytes]:
 
 
 # --- CPU accounting ----------------------------------------------------------------------------
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process, all threads, in seconds (1/CLK_TCK resolution)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * TICK_S
+def proc_cpu_s(pid: int, descendants: bool = False) -> float:
+    """utime + stime of a process, all threads, in seconds (1/CLK_TCK resolution); with
+    `descendants`, of its live child processes too (a server's worker processes)."""
+    total = 0.0
+    for p in _tree(pid) if descendants else [pid]:
+        with contextlib.suppress(OSError), open(f"/proc/{p}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) * TICK_S
+    return total
+
+
+def _tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for tid in os.listdir(f"/proc/{p}/task") if os.path.isdir(f"/proc/{p}/task") else ():
+            with contextlib.suppress(OSError), open(f"/proc/{p}/task/{tid}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+    return out
 
 
 def core_busy_s() -> dict[int, float]:
@@ -207,7 +229,7 @@ class Snapshot:
 
 
 def snapshot(pids: dict[str, int]) -> Snapshot:
-    return Snapshot(time.perf_counter(), {k: proc_cpu_s(p) for k, p in pids.items()}, core_busy_s())
+    return Snapshot(time.perf_counter(), {k: proc_cpu_s(p, k == "gateway") for k, p in pids.items()}, core_busy_s())
 
 
 # --- the load generator: raw keep-alive HTTP/1.1 connections parsed by httptools -----------------
@@ -419,12 +441,13 @@ async def _arrivals(run: Run, rate: float, end_at: float) -> None:
 
 # --- processes ---------------------------------------------------------------------------------
 def _pin(pid: int, cpu: int, nice: int) -> None:
-    """Pin every thread of `pid` to `cpu` (threads started later inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(int(tid), {cpu})
-            if nice:
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+    """Pin every thread of `pid` and of its descendants to `cpu` (later ones inherit it)."""
+    for p in _tree(pid):
+        for tid in os.listdir(f"/proc/{p}/task") if os.path.isdir(f"/proc/{p}/task") else ():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), {cpu})
+                if nice:
+                    os.setpriority(os.PRIO_PROCESS, int(tid), nice)
 
 
 @dataclass
@@ -457,6 +480,18 @@ def start_gateway(
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = {k: x for k, x in os.environ.items() if not k.startswith("OTEL_")}  # config decides
     cmd = [str(GATEWAY_BIN)]
+    if v.server == "granian":  # one worker, one runtime thread, uvloop: as `gateway serve` runs
+        env["KVGATEWAY_CONFIG"] = str(path)
+        granian = [str(GATEWAY_BIN.parent / "granian"), "--interface", "asgi", "--factory",
+                   "--host", "127.0.0.1", "--port", str(cfg["server"]["port"]), "--loop", "uvloop",
+                   "--workers", "1", "--runtime-mode", "st", "--http", "1", "--no-ws",
+                   "--log-level", "warning", "gateway.cli:app_from_env"]  # fmt: skip
+        if args.gateway_src is not None:
+            env["PYTHONPATH"] = str(args.gateway_src.resolve())
+        log = open(workdir / f"gateway-{v.name}.log", "wb")  # noqa: SIM115 - lives with it
+        p = subprocess.Popen(granian, stdout=log, stderr=log, env=env, cwd="/")
+        _pin(p.pid, cpu, args.nice)
+        return p
     if args.gateway_src is not None:
         cmd = [sys.executable, "-m", "gateway"]
         env["PYTHONPATH"] = str(args.gateway_src.resolve())
@@ -704,7 +739,7 @@ def report(
 ) -> str:
     gcpu = args.gateway_cpu
     hdr = (
-        f"{'load':<24} {'path':<14} {'req/s':>7} {'x direct':>8} {'x cpu':>6} {'p50 ms':>7} "
+        f"{'load':<24} {'path':<19} {'req/s':>7} {'x direct':>8} {'x cpu':>6} {'p50 ms':>7} "
         f"{'p99 ms':>7} {'+p50 ms':>8} {'+p99 ms':>8} {'gw us/req':>9} {'us/chunk':>8} "
         f"{'gw cpu':>6} {'other':>6} {'load cpu':>8}"
     )
@@ -718,7 +753,7 @@ def report(
             chunk = r.gw_us / args.chunks if load.stream and load.key != "ttft" else float("nan")
             cpu_x = r.cpu_ratio if load.key in ("sat", "stream") else float("nan")
             out.append(
-                f"{label if who == 'direct' else '':<24} {who:<14} {r.rps:7.0f} "
+                f"{label if who == 'direct' else '':<24} {who:<19} {r.rps:7.0f} "
                 f"{_f(r.ratio, '.2f', 8)} {_f(cpu_x, '.2f', 6)} {r.p50:7.2f} {r.p99:7.2f} "
                 f"{_f(r.add50, '+.2f', 8)} {_f(r.add99, '+.2f', 8)} {_f(r.gw_us, '.0f', 9)} "
                 f"{_f(chunk, '.1f', 8)} {_pc(r.gw_core, 6)} {_pc(r.other_gw, 6)} "
@@ -824,6 +859,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=["off", "otlp"],
         default="off",
         help="otlp: add a tracing-on row per policy, OTLP/HTTP to the upstream's /v1/traces sink",
+    )
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        choices=["uvicorn", "granian"],
+        default=["uvicorn"],
+        help="granian: one more row, the first policy's gateway app under granian (ASGI)",
     )
     p.add_argument(
         "--rust",
