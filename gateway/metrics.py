@@ -1,5 +1,7 @@
 """Prometheus metrics of the gateway, one registry per app (no globals), with bounded label sets.
 
+Request counters and histograms are plain numbers (`tallies.py`) read at scrape time.
+
 Per-replica gauges are read from the live replica state at scrape time, so the hot path pays nothing
 for them.
 """
@@ -9,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .admission import Admission
 from .replicas import CLOSED, HALF_OPEN, OPEN, ReplicaState
+from .tallies import CounterTally, HistogramTally, Tallies
 
 # LLM latencies span milliseconds (a cached short prompt) to minutes (a long generation)
 LATENCY_BUCKETS = (
@@ -57,140 +60,105 @@ PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536
 ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 
 
-class _Family:
-    """A labelled metric whose children are looked up once: `labels()` costs ~4 µs, a dict get ~0.1."""
-
-    __slots__ = ("metric", "_children")
-
-    def __init__(self, metric: Counter | Histogram) -> None:
-        self.metric = metric
-        self._children: dict[tuple[str, ...], Any] = {}
-
-    def labels(self, *values: str) -> Any:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self.metric.labels(*values)
-        return child
-
-
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+        self.requests = CounterTally(
             "gateway_requests_total",
             "Requests answered, by pool, replica that answered (none when no replica did), HTTP status "
             "(499: the client went away first) and priority class.",
             ["pool", "replica", "status", "priority"],
-            registry=r,
         )
-        self.duration = Histogram(
+        self.duration = HistogramTally(
             "gateway_request_duration_seconds",
             "End-to-end time of a request at the gateway, from first byte in to last byte out.",
             ["pool"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
         )
-        self.ttft = Histogram(
+        self.ttft = HistogramTally(
             "gateway_ttft_seconds",
             "Time to first token seen by the gateway: request in to first response byte relayed.",
             ["pool", "replica"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
         )
-        self.tpot = Histogram(
+        self.tpot = HistogramTally(
             "gateway_tpot_seconds",
             "Mean time per output token of a streamed answer: (last - first chunk) / (tokens - 1).",
             ["pool", "replica"],
-            buckets=TPOT_BUCKETS,
-            registry=r,
+            TPOT_BUCKETS,
         )
-        self.prompt_length = Histogram(
+        self.prompt_length = HistogramTally(
             "gateway_prompt_length_tokens",
             "Prompt length in tokens (the replica's count when it reports usage, else the estimate).",
             ["pool"],
-            buckets=PROMPT_BUCKETS,
-            registry=r,
+            PROMPT_BUCKETS,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = CounterTally(
             "gateway_prompt_tokens_total",
             "Prompt tokens of answered requests.",
             ["pool"],
-            registry=r,
         )
-        self.output_tokens = Counter(
+        self.output_tokens = CounterTally(
             "gateway_output_tokens_total",
             "Output tokens of answered requests (from usage).",
             ["pool"],
-            registry=r,
         )
-        self.observed_prompt_tokens = Counter(
+        self.observed_prompt_tokens = CounterTally(
             "gateway_observed_prompt_tokens_total",
             "Prompt tokens of answers whose usage reported cached tokens (denominator of the observed hit ratio).",
             ["pool"],
-            registry=r,
         )
-        self.observed_cached_tokens = Counter(
+        self.observed_cached_tokens = CounterTally(
             "gateway_observed_cached_tokens_total",
             "Prompt tokens the replica reported served from its prefix cache (usage.prompt_tokens_details.cached_tokens).",
             ["pool"],
-            registry=r,
         )
-        self.attempts = Counter(
+        self.attempts = CounterTally(
             "gateway_upstream_attempts_total",
             "Attempts to reach a replica, by outcome (ok, failover reasons, broken mid-stream).",
             ["pool", "replica", "outcome"],
-            registry=r,
         )
-        self.decisions = Counter(
+        self.decisions = CounterTally(
             "gateway_routing_decisions_total",
             "Routing decisions by pool, policy and the reason the winner won.",
             ["pool", "policy", "reason"],
-            registry=r,
         )
-        self.routing_time = Histogram(
+        self.routing_time = HistogramTally(
             "gateway_routing_duration_seconds",
             "Time spent routing one request: hashing, index lookup and scoring.",
             ["pool"],
-            buckets=ROUTING_BUCKETS,
-            registry=r,
+            ROUTING_BUCKETS,
         )
-        self.prompt_blocks = Counter(
+        self.prompt_blocks = CounterTally(
             "gateway_prompt_blocks_total",
             "Full prompt blocks hashed for routing.",
             ["pool"],
-            registry=r,
         )
-        self.predicted_hit_blocks = Counter(
+        self.predicted_hit_blocks = CounterTally(
             "gateway_predicted_hit_blocks_total",
             "Prompt blocks the index predicted cached on the chosen replica; divide by "
             "gateway_prompt_blocks_total for the predicted prefix-hit ratio.",
             ["pool"],
-            registry=r,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = HistogramTally(
             "gateway_queue_wait_seconds",
             "Time a request waited at the gateway for a replica slot (admission), by pool and class.",
             ["pool", "priority"],
-            buckets=(0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
-            registry=r,
+            (0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
         )
-        self.limited = Counter(
+        self.limited = CounterTally(
             "gateway_ratelimited_total",
             "Requests refused by a tenant's rate limit, by tenant and the limit that ran out.",
             ["tenant", "limit"],
-            registry=r,
         )
-        self.errors = Counter(
+        self.errors = CounterTally(
             "gateway_errors_total",
             "Errors returned to clients, by pool (none before a pool was chosen) and error type.",
             ["pool", "type"],
-            registry=r,
         )
 
-        for name, value in list(vars(self).items()):
-            if isinstance(value, Counter | Histogram):
-                setattr(self, name, _Family(value))
+        r.register(Tallies([t for t in vars(self).values() if isinstance(t, CounterTally | HistogramTally)]))
 
     def watch_replicas(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
         self.registry.register(_ReplicaCollector(replicas))

@@ -1,0 +1,118 @@
+"""Counters and histograms kept as plain numbers, turned into Prometheus families at scrape time.
+
+prometheus-client's own metrics take a lock per `inc`/`observe` and look their labelled child up
+per call; the request path records about a dozen of them per request. Here a labelled child is a
+slot object found once per label set, and `inc`/`observe` are an addition (and a bisect). All of
+it runs on the event loop's thread, scrapes included, so nothing needs a lock. The exposition is
+the same as prometheus-client's: `<name>_total` for counters; `_bucket`/`_sum`/`_count` with
+cumulative `le` buckets for histograms; no `_created` series.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+__all__ = ["CounterTally", "HistogramTally", "Tallies"]
+
+Labels = tuple[str, ...]
+
+
+class _Count:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: float = 0
+
+    def inc(self, n: float = 1) -> None:
+        self.value += n
+
+
+class _Hist:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1  # the first bucket whose bound >= v
+        self.sum += v
+
+
+class CounterTally:
+    """A labelled counter: `labels(*values).inc(n)`."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, doc: str, labelnames: Sequence[str]) -> None:
+        self.name, self.doc, self.labelnames = name.removesuffix("_total"), doc, list(labelnames)
+        self.children: dict[Labels, _Count] = {}
+
+    def labels(self, *values: str) -> _Count:
+        child = self.children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: labels {self.labelnames}, got {values!r}")
+            child = self.children[values] = _Count()
+        return child
+
+    def family(self) -> Metric:
+        fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+        for values, child in self.children.items():
+            fam.add_metric(list(values), child.value)
+        return fam
+
+
+class HistogramTally:
+    """A labelled histogram with fixed upper bounds: `labels(*values).observe(v)`."""
+
+    kind = "histogram"
+
+    def __init__(
+        self, name: str, doc: str, labelnames: Sequence[str], buckets: Sequence[float]
+    ) -> None:
+        self.name, self.doc, self.labelnames = name, doc, list(labelnames)
+        self.bounds = tuple(float(b) for b in buckets if b != float("inf"))
+        if list(self.bounds) != sorted(set(self.bounds)):
+            raise ValueError(f"{name}: buckets must increase: {buckets!r}")
+        self.children: dict[Labels, _Hist] = {}
+
+    def labels(self, *values: str) -> _Hist:
+        child = self.children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: labels {self.labelnames}, got {values!r}")
+            child = self.children[values] = _Hist(self.bounds)
+        return child
+
+    def family(self) -> Metric:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        names = [_le(b) for b in self.bounds] + ["+Inf"]
+        for values, child in self.children.items():
+            cumulative, buckets = 0, []
+            for le, n in zip(names, child.counts, strict=True):
+                cumulative += n
+                buckets.append((le, cumulative))
+            fam.add_metric(list(values), buckets, child.sum)
+        return fam
+
+
+class Tallies(Collector):
+    """The collector of a set of tallies (registered once per registry)."""
+
+    def __init__(self, tallies: Sequence[CounterTally | HistogramTally]) -> None:
+        self.tallies = list(tallies)
+
+    def collect(self) -> Iterator[Metric]:
+        for t in self.tallies:
+            yield t.family()
+
+
+def _le(bound: float) -> str:
+    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]  # as prometheus-client writes `le`
