@@ -47,6 +47,7 @@ from .runtime import Gateway
 from .status import status_of
 from .tracing import Tracing
 from .types import Receive, Scope, Send
+from .version import gateway_version
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -89,6 +90,22 @@ def admin_only(gateway: Gateway, handler: Handler) -> Handler:
                     headers={"www-authenticate": "Bearer"},
                 )
             )
+        return await handler(request)
+
+    return guarded
+
+
+def tenants_only(gateway: Gateway, handler: Handler) -> Handler:
+    """Guard a read-only public route (`/v1/models`): under `auth: required` it needs a tenant's
+    key, as the proxy routes do (401 otherwise); with auth off it is open. The tenant directory is
+    read per request, so a reload applies at once."""
+
+    async def guarded(request: Request) -> Response:
+        given = next((v for k, v in request.scope["headers"] if k == b"authorization"), None)
+        try:
+            gateway.tenants.identify(given)
+        except GatewayError as exc:
+            return _error(exc)
         return await handler(request)
 
     return guarded
@@ -229,6 +246,19 @@ def create_app(
     async def list_models(request: Request) -> Response:
         return _json({"object": "list", "data": await models.get()})
 
+    async def model_card(request: Request) -> Response:
+        wanted = request.path_params["model_id"]
+        card = next((c for c in await models.get() if c["id"] == wanted), None)
+        if card is None:
+            message = f"The model `{wanted[:128]}` does not exist."
+            return _error(NotFound(message, param="model", code="model_not_found"))
+        return _json(card)
+
+    version_body = {"version": gateway_version()}
+
+    async def version(request: Request) -> Response:
+        return _json(version_body)
+
     async def decisions(request: Request) -> Response:
         return _json({"decisions": gateway.decisions()})
 
@@ -291,7 +321,9 @@ def create_app(
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
-            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models", tenants_only(gateway, list_models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", tenants_only(gateway, model_card), methods=["GET"]),
+            Route("/version", version, methods=["GET"]),
             Route("/debug/decisions", admin_only(gateway, decisions), methods=["GET"]),
             Route("/admin/status", admin_only(gateway, status), methods=["GET"]),
             Route("/admin/config", admin_only(gateway, active_config), methods=["GET"]),

@@ -1,4 +1,5 @@
-"""The `gateway` command: serve, check a config, run the demo. The only place that exits."""
+"""The `gateway` command: serve, check a config, plan capacity, run the demo. The only place
+that exits."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import sys
 from collections.abc import Sequence
 
 from .config import Config, ConfigError, load_config
+from .version import gateway_version
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gateway", description="KV-cache-aware routing gateway for vLLM / SGLang replicas"
     )
+    p.add_argument("--version", action="version", version=f"gateway {gateway_version()}")
     sub = p.add_subparsers(dest="command")
 
     def common(sp: argparse.ArgumentParser, config_required: bool = True) -> None:
@@ -34,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     common(sub.add_parser("serve", help="serve the gateway (the default command)"))
     check = sub.add_parser("check", help="validate a config and print it resolved")
     check.add_argument("--config", "-c", required=True)
+    sub.add_parser(
+        "plan",
+        help="replicas, KV capacity and latency floors for a model on a GPU (add -h for options)",
+        add_help=False,
+    )
     sub.add_parser(
         "demo",
         help="simulated replicas, round robin vs prefix-aware (add -h for options)",
@@ -145,10 +153,28 @@ def _demo(argv: Sequence[str]) -> int:
     return int(demo.main(argv))
 
 
+PLAN_MODULE = "simulator.plan"  # the simulator's performance model, imported only by `gateway plan`
+
+
+def _plan(argv: Sequence[str]) -> int:
+    import importlib
+
+    try:
+        plan = importlib.import_module(PLAN_MODULE)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "simulator":
+            raise
+        print("gateway plan: needs the simulator package (pip install kvgateway)", file=sys.stderr)
+        return 2
+    return int(plan.main(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
         return _demo(argv[1:])
+    if argv[:1] == ["plan"]:
+        return _plan(argv[1:])
     args = _parser().parse_args(argv)
     command = args.command or "serve"
     if command == "serve" and not args.config:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .config_errors import describe_errors
 from .config_sections import (
     AdmissionConfig,
     ChunkingConfig,
@@ -30,9 +30,17 @@ from .config_sections import (
     ScrapeConfig,
     ServerConfig,
     TimeoutsConfig,
+    redis_url_problem,
 )
 from .ratelimit import RateLimitConfig
-from .tenants import AuthMode, PriorityClassConfig, TenantConfig, check_tenants, default_classes
+from .tenants import (
+    AuthMode,
+    PriorityClassConfig,
+    TenantConfig,
+    check_tenants,
+    default_classes,
+    merge_builtin_classes,
+)
 from .tracing_config import TracingConfig
 
 __all__ = [
@@ -55,7 +63,6 @@ __all__ = [
     "parse_config",
 ]
 
-_RELATIVE = re.compile(r"^[a-z_][a-z0-9_]*(\[\d+\])?(\.[a-z_][a-z0-9_]*(\[\d+\])?)*: ")
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -82,6 +89,20 @@ class Config(BaseModel):
     ratelimit: RateLimitConfig = RateLimitConfig()
     admission: AdmissionConfig = AdmissionConfig()
     tracing: TracingConfig = TracingConfig()
+
+    # the built-in classes stay unless removed (`batch: null`); see tenants.merge_builtin_classes
+    @field_validator("priority_classes", mode="before")
+    @classmethod
+    def _keep_builtin_classes(cls, v: Any) -> Any:
+        return merge_builtin_classes(v)
+
+    @field_validator("ratelimit")
+    @classmethod
+    def _ratelimit_redis_url(cls, v: RateLimitConfig) -> RateLimitConfig:
+        problem = redis_url_problem(v.redis_url)
+        if problem is not None:
+            raise ValueError(f"redis_url: {problem}")
+        return v
 
     @model_validator(mode="after")
     def _tenants_consistent(self) -> Config:
@@ -176,36 +197,6 @@ def _substitute_env(node: Any, path: str) -> Any:
     return node
 
 
-def _format_loc(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in ("function-after", "function-before", "function-wrap"):
-            continue
-        elif part.startswith(("function-", "tagged-union")) or part in (
-            "str",
-            "dict[str,any]",
-            "static",
-            "dns",
-            "kubernetes",
-        ):
-            continue
-        else:
-            out += f".{part}" if out else part
-    return out
-
-
-def _message(err: Mapping[str, Any]) -> str:
-    kind = err.get("type")
-    if kind == "extra_forbidden":
-        return "unknown key"
-    if kind == "missing":
-        return "required"
-    msg = str(err.get("msg", "invalid"))
-    return msg.removeprefix("Value error, ")
-
-
 def parse_config(data: Any) -> Config:
     """Validate already-loaded YAML data; raises ConfigError listing every problem."""
     if data is None:
@@ -216,20 +207,7 @@ def parse_config(data: Any) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc = _format_loc(tuple(err["loc"]))
-            msg = _message(err)
-            # a model-level validator names the path below its model: join the two paths
-            if loc and _RELATIVE.match(msg):
-                parent, _, last = loc.rpartition(".")
-                if msg.startswith((last + ".", last + ":", last + "[")):  # the path repeats our key
-                    problems.append(f"{parent}.{msg}" if parent else msg)
-                else:
-                    problems.append(f"{loc}.{msg}")
-            else:
-                problems.append(f"{loc}: {msg}" if loc else msg)
-        raise ConfigError(problems) from None
+        raise ConfigError(describe_errors(exc.errors(), Config)) from None
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

@@ -5,6 +5,7 @@ and loading are `config.py`."""
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -257,6 +258,40 @@ class EventsConfig(_Strict):
     parity_interval_s: float = Field(300.0, gt=0)  # how often token parity is checked
 
 
+REDIS_URL_FORM = "redis://[user:password@]host:port/db, rediss://... (TLS) or unix:///path.sock"
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why `url` is not a Redis URL the client can open, or None. The URL itself is never part of
+    the answer: it may hold a password."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # a port that is not a number raises here
+    except ValueError:
+        return (
+            f"not a Redis URL: its port is not a number from 0 to 65535 (expected {REDIS_URL_FORM})"
+        )
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        return f"not a Redis URL (expected {REDIS_URL_FORM})"
+    if parts.scheme == "unix":
+        return (
+            None if parts.path else f"not a Redis URL: no socket path (expected {REDIS_URL_FORM})"
+        )
+    if not parts.hostname:
+        return f"not a Redis URL: no host (expected {REDIS_URL_FORM})"
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        return "not a Redis URL: the database after the host must be a number, like /0"
+    from redis import connection
+
+    parse: Callable[[str], dict[str, Any]] = connection.parse_url  # as the client will: options too
+    try:
+        parse(url)
+    except ValueError as exc:
+        return f"not a Redis URL: {str(exc).replace(url, '<url>')}"
+    return None
+
+
 class IndexConfig(_Strict):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -267,6 +302,14 @@ class IndexConfig(_Strict):
     max_blocks: int = Field(2_000_000, ge=1_000)
     ttl_s: float | None = Field(600.0, gt=0)
     events: EventsConfig = EventsConfig()
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        problem = redis_url_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _events_need_tokens(self) -> IndexConfig:

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .openai import MAX_DEPTH, MAX_TOKEN_ID, MAX_TOKENS_CAP
+from .version import gateway_version
 
 __all__ = ["openapi_document"]
 
@@ -19,7 +20,7 @@ _ERROR_STATUSES = {
     "400": "Malformed body, wrong types or missing fields (`param` names the field).",
     "401": "Missing or unknown API key.",
     "403": "The tenant may not use the requested priority class.",
-    "404": "No route matches the model.",
+    "404": "No route matches the model (`/v1/models/{model_id}`: no replica serves it).",
     "413": "The body is larger than `server.max_body_bytes`.",
     "429": "Rate limited or shed by admission control (`Retry-After`).",
     "502": "The replicas failed.",
@@ -189,20 +190,29 @@ def _schemas(classes: list[str]) -> dict[str, Any]:
             "required": ["data"],
             "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
         },
+        "Model": {
+            "type": "object",
+            "required": ["id"],
+            "description": "The card the first replica serving the model reports.",
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"type": "string"},
+                "created": {"type": "integer"},
+                "owned_by": {"type": "string"},
+            },
+        },
         "ModelList": {
             "type": "object",
             "required": ["object", "data"],
             "properties": {
                 "object": {"type": "string", "enum": ["list"]},
-                "data": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "required": ["id"],
-                        "properties": {"id": {"type": "string"}},
-                    },
-                },
+                "data": {"type": "array", "items": _ref("Model")},
             },
+        },
+        "Version": {
+            "type": "object",
+            "required": ["version"],
+            "properties": {"version": {"type": "string"}},
         },
         "Ready": {
             "type": "object",
@@ -250,7 +260,7 @@ def openapi_document(
         "openapi": "3.0.3",
         "info": {
             "title": "kvgateway",
-            "version": "0.1.0",
+            "version": gateway_version(),
             "description": "KV-cache-aware routing gateway speaking the OpenAI API. "
             'Errors are always `{"error": {message, type, param, code}}`.',
         },
@@ -264,10 +274,41 @@ def openapi_document(
             "/v1/models": {
                 "get": {
                     "operationId": "models",
-                    "summary": "Models the replicas report, merged",
+                    "summary": "Models the replicas report, merged (a tenant key under `auth: "
+                    "required`)",
+                    "responses": {
+                        "200": {"description": "The models.", "content": _json(_ref("ModelList"))},
+                        **_errors("401"),
+                    },
+                }
+            },
+            "/v1/models/{model_id}": {
+                "get": {
+                    "operationId": "model",
+                    "summary": "One model's card, as `/v1/models` lists it",
+                    "parameters": [
+                        {
+                            "name": "model_id",
+                            "in": "path",
+                            "required": True,
+                            "description": "The model's id; it may hold slashes "
+                            "(`meta-llama/Llama-3.1-8B-Instruct`).",
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {
+                        "200": {"description": "The model.", "content": _json(_ref("Model"))},
+                        **_errors("401", "404"),
+                    },
+                }
+            },
+            "/version": {
+                "get": {
+                    "operationId": "version",
+                    "summary": "The gateway's version (as vLLM's `/version` gives the engine's)",
                     "security": [],
                     "responses": {
-                        "200": {"description": "The models.", "content": _json(_ref("ModelList"))}
+                        "200": {"description": "The version.", "content": _json(_ref("Version"))}
                     },
                 }
             },

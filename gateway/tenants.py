@@ -61,16 +61,44 @@ class LimitsConfig(RateLimits):
 
 
 class PriorityClassConfig(_Strict):
+    """One entry of `priority_classes:`. Only `rank` is required; the queue bounds default to the
+    `interactive` class's (a class that sheds early rather than one that queues for minutes)."""
+
     rank: int = Field(ge=0)  # lower is served first (vLLM's direction)
-    max_queue_wait_s: float = Field(gt=0)
-    max_queue_len: int = Field(ge=0)
+    max_queue_wait_s: float = Field(2.0, gt=0)
+    max_queue_len: int = Field(1000, ge=0)
+
+
+BUILTIN_CLASSES: dict[str, dict[str, Any]] = {
+    "interactive": {"rank": 0, "max_queue_wait_s": 2.0, "max_queue_len": 1000},
+    "batch": {"rank": 1, "max_queue_wait_s": 120.0, "max_queue_len": 10000},
+}
 
 
 def default_classes() -> dict[str, PriorityClassConfig]:
-    return {
-        "interactive": PriorityClassConfig(rank=0, max_queue_wait_s=2.0, max_queue_len=1000),
-        "batch": PriorityClassConfig(rank=1, max_queue_wait_s=120.0, max_queue_len=10000),
-    }
+    return {name: PriorityClassConfig(**raw) for name, raw in BUILTIN_CLASSES.items()}
+
+
+def merge_builtin_classes(given: Any) -> Any:
+    """`priority_classes:` as written, laid over the built-in classes: a class named like a
+    built-in one takes the keys it omits from it, other classes are added, and `name: null`
+    removes a built-in class. Anything that is not a mapping is returned for the model to refuse."""
+    if not isinstance(given, Mapping):
+        return given
+    merged: dict[Any, Any] = {name: dict(raw) for name, raw in BUILTIN_CLASSES.items()}
+    for name, raw in given.items():
+        if raw is None:
+            if name not in BUILTIN_CLASSES:
+                raise ValueError(
+                    f"{name}: null removes a built-in class ({', '.join(BUILTIN_CLASSES)}), "
+                    f"and {name!r} is not one"
+                )
+            merged.pop(name)
+        elif isinstance(raw, Mapping) and name in BUILTIN_CLASSES:
+            merged[name] = {**BUILTIN_CLASSES[name], **raw}
+        else:
+            merged[name] = raw
+    return merged
 
 
 class TenantConfig(_Strict):
@@ -120,9 +148,16 @@ def check_tenants(
         raise ValueError("priority_classes: at least one class is required")
     ranks: dict[int, str] = {}
     for name, c in classes.items():
-        if c.rank in ranks:
+        holder = ranks.get(c.rank)
+        if holder is not None:
+            hint = (
+                f" (a built-in class: give one of them another rank, or remove it with "
+                f"`{holder}: null`)"
+                if holder in BUILTIN_CLASSES and name not in BUILTIN_CLASSES
+                else ""
+            )
             raise ValueError(
-                f"priority_classes.{name}.rank: {c.rank} is also the rank of {ranks[c.rank]!r}"
+                f"priority_classes.{name}.rank: {c.rank} is also the rank of {holder!r}{hint}"
             )
         ranks[c.rank] = name
     defined = ", ".join(sorted(classes))

@@ -25,6 +25,8 @@ def test_document_is_served_and_lists_the_public_endpoints(gw: GatewayProc) -> N
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/models",
+        "/v1/models/{model_id}",
+        "/version",
         "/health",
         "/ready",
         "/metrics",

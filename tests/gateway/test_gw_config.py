@@ -51,7 +51,10 @@ def test_bad_url_names_its_path() -> None:
 
 def test_unknown_keys_are_errors() -> None:
     data = {"pools": {"chat": {"replicas": ["http://a:1"], "helth": {}}}, "sever": {}}
-    assert sorted(problems(data)) == ["pools.chat.helth: unknown key", "sever: unknown key"]
+    assert sorted(problems(data)) == [
+        "pools.chat.helth: unknown key (did you mean 'health'?)",
+        "sever: unknown key (did you mean 'server'?)",
+    ]
 
 
 def test_wrong_types_and_ranges() -> None:
@@ -121,28 +124,35 @@ def test_env_substitution(monkeypatch: pytest.MonkeyPatch) -> None:
     ]
 
 
-def test_cli_check(tmp_path: Path) -> None:
-    good = tmp_path / "good.yaml"
-    good.write_text(EXAMPLE)
-    res = subprocess.run(
-        [sys.executable, "-m", "gateway", "check", "--config", str(good)],
+def gateway_check(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "check", "--config", str(path)],
         capture_output=True,
         text=True,
     )
+
+
+def test_cli_check(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(EXAMPLE)
+    res = gateway_check(good)
     assert res.returncode == 0, res.stderr
     assert '"max_inflight_per_replica": 64' in res.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("pools: {chat: {replicas: [ftp://x]}}\n")
-    res = subprocess.run(
-        [sys.executable, "-m", "gateway", "check", "--config", str(bad)],
-        capture_output=True,
-        text=True,
-    )
+    res = gateway_check(bad)
     assert res.returncode == 1
     assert "pools.chat.replicas[0].url: not an http(s) URL" in res.stderr
-    res = subprocess.run(
-        [sys.executable, "-m", "gateway", "check", "--config", str(tmp_path / "none.yaml")],
-        capture_output=True,
-        text=True,
-    )
+    res = gateway_check(tmp_path / "none.yaml")
     assert res.returncode == 1 and "cannot read" in res.stderr
+
+
+def test_cli_check_fails_on_a_redis_url_that_is_not_one(tmp_path: Path) -> None:
+    path = tmp_path / "routes.yaml"
+    path.write_text(
+        "pools: {chat: {replicas: [http://a:1]}}\nindex: {backend: redis, redis_url: not-a-url}\n"
+    )
+    res = gateway_check(path)
+    assert res.returncode == 1
+    assert "  index.redis_url: not a Redis URL" in res.stderr
+    assert "Traceback" not in res.stderr
