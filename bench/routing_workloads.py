@@ -33,10 +33,10 @@ TRACE_BLOCK_TOKENS = 512  # one Mooncake hash id stands for 512 tokens
 Tokens = array
 
 
-# qwen2.5-14b on one A100-80G at gpu_memory_utilization 0.6: 3,960 blocks = 63,360 tokens of KV
-# per replica (506,880 for the fleet): below the shared-prompt and multi-turn working sets,
+# qwen2.5-14b on one A100-80G at gpu_memory_utilization 0.52: 64,108 tokens of KV per replica
+# (`gateway plan`; 512,864 for the fleet): below the shared-prompt and multi-turn working sets,
 # which fit the fleet; the same setting `gateway demo` uses.
-ENGINE: dict[str, Any] = {"model": "qwen2.5-14b", "gpu": "a100-80g", "gpu_memory_utilization": 0.6}
+ENGINE: dict[str, Any] = {"model": "qwen2.5-14b", "gpu": "a100-80g", "gpu_memory_utilization": 0.52}
 # The trace's longest prompt is 191,378 tokens: H200s (464,672 tokens of KV each), context raised.
 TRACE_ENGINE: dict[str, Any] = {"model": "qwen2.5-14b", "gpu": "h200", "max_model_len": 196_608}
 VOCAB = 131_072  # token ids stay below a real vocabulary's size (the gateway checks their range)

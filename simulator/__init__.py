@@ -6,6 +6,7 @@ See docs/simulator.md. Nothing here imports from the gateway, the index or the p
 
 from simulator.config import EngineConfig, OutputLengths, build_config
 from simulator.des import (
+    ClosedLoop,
     Cluster,
     ReplicaLoad,
     Router,
@@ -23,7 +24,7 @@ from simulator.results import RequestRecord, RunResult
 from simulator.tokenizer import ByteTokenizer, Tokenizer, TokenizerJson
 
 __all__ = [
-    "ByteTokenizer", "Cluster", "Engine", "EngineConfig", "Fault", "Fleet", "GpuProfile",
+    "ByteTokenizer", "ClosedLoop", "Cluster", "Engine", "EngineConfig", "Fault", "Fleet", "GpuProfile",
     "ModelProfile", "OutputLengths", "PerfModel", "Replica", "ReplicaLoad", "RequestRecord",
     "Router", "RunResult", "SimRequest", "Tokenizer", "TokenizerJson", "build_config",
     "chat_requests", "get_gpu", "get_model", "run",

@@ -47,8 +47,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", default=str(OutputLengths()),
                    help="output length when a request sets no max_tokens: fixed:N, "
                         "uniform:LO:HI or exponential:MEAN (default %(default)s)")
-    p.add_argument("--step-overhead-ms", type=float, default=1.0,
-                   help="fixed CPU cost per engine step (default 1 ms)")
+    p.add_argument("--step-overhead-ms", type=float, default=None,
+                   help="fixed cost per engine step (default: the GPU and engine profiles')")
+    p.add_argument("--weight-dtype", default="", help="bf16, fp8, int4 or mxfp4 weights "
+                   "(default: the model profile's)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (16-bit) or fp8")
     p.add_argument("--prefill-attention", action="store_true",
                    help="add attention FLOPs (quadratic in context) to prefill time")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
@@ -78,7 +81,8 @@ def fleet_from_args(args: argparse.Namespace) -> Fleet:
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         output_lengths=OutputLengths.parse(args.output_len),
-        step_overhead_s=args.step_overhead_ms / 1000.0,
+        step_overhead_s=None if args.step_overhead_ms is None else args.step_overhead_ms / 1000.0,
+        weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
         prefill_attention=args.prefill_attention,
         tokenizer=(TokenizerJson(args.tokenizer, chat_template=args.chat_template)
                    if args.tokenizer else None),

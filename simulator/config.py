@@ -10,7 +10,14 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from simulator.perf_model import PerfModel, auto_tp
-from simulator.profiles import GpuProfile, ModelProfile, get_gpu, get_model
+from simulator.profiles import (
+    EngineProfile,
+    GpuProfile,
+    ModelProfile,
+    get_engine,
+    get_gpu,
+    get_model,
+)
 
 Scheduling = Literal["fcfs", "priority"]
 KvEventsEncoding = Literal["legacy", "map"]
@@ -103,17 +110,25 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: Scheduling = "fcfs"
     output_lengths: OutputLengths = field(default_factory=OutputLengths)
-    step_overhead_s: float = 0.001
+    step_overhead_s: float | None = None  # None: the profiles' fixed step cost
     prefill_attention: bool = False
     overhead_gb: float | None = None
     num_gpu_blocks: int | None = None  # override the computed KV capacity (tests, what-ifs)
+    engine: EngineProfile | None = None  # None: the shipped "vllm" profile
+    weight_dtype: str = ""  # "": the model's; fp8 / int4 / mxfp4 for a quantized checkpoint
+    kv_cache_dtype: str = "auto"  # auto (the model's 16 bits) or fp8
+    jitter_cv: float | None = None  # None: the engine profile's
 
     @property
     def perf(self) -> PerfModel:
         return PerfModel(
             self.model, self.gpu, tp=self.tensor_parallel_size,
             gpu_memory_utilization=self.gpu_memory_utilization, overhead_gb=self.overhead_gb,
-            step_overhead_s=self.step_overhead_s, prefill_attention=self.prefill_attention,
+            fixed_step_s=self.step_overhead_s, prefill_attention=self.prefill_attention,
+            engine=self.engine or get_engine("vllm"), weight_dtype=self.weight_dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            jitter_cv=self.jitter_cv,
         )
 
     @property
@@ -141,7 +156,9 @@ _OVERRIDABLE = {f.name for f in fields(EngineConfig)} - {"model", "gpu"}
 
 def build_config(model: str | ModelProfile = "qwen2.5-14b", gpu: str | GpuProfile = "a100-80g",
                  **overrides: Any) -> EngineConfig:
-    """Resolve profiles by name, apply overrides, pick TP when not given, validate."""
+    """Resolve profiles by name, apply overrides, pick TP when not given, validate.
+
+    `engine` may be a profile name ("vllm") or an `EngineProfile`."""
     unknown = set(overrides) - _OVERRIDABLE
     if unknown:
         raise ValueError(f"unknown engine option(s) {sorted(unknown)}; known: {sorted(_OVERRIDABLE)}")
@@ -149,11 +166,16 @@ def build_config(model: str | ModelProfile = "qwen2.5-14b", gpu: str | GpuProfil
     opts = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(opts.get("output_lengths"), str):
         opts["output_lengths"] = OutputLengths.parse(opts["output_lengths"])
+    opts["engine"] = get_engine(opts.get("engine", "vllm"))
     max_len = int(opts.pop("max_model_len", m.max_model_len))
     tp = opts.pop("tensor_parallel_size", None)
     if tp is None:
         tp = auto_tp(m, g, max_model_len=max_len,
                      gpu_memory_utilization=opts.get("gpu_memory_utilization", 0.9),
-                     overhead_gb=opts.get("overhead_gb"))
+                     overhead_gb=opts.get("overhead_gb"), engine=opts["engine"],
+                     weight_dtype=opts.get("weight_dtype", ""),
+                     kv_cache_dtype=opts.get("kv_cache_dtype", "auto"),
+                     max_num_batched_tokens=opts.get("max_num_batched_tokens", 8192),
+                     max_num_seqs=opts.get("max_num_seqs", 256))
     base = EngineConfig(model=m, gpu=g, tensor_parallel_size=int(tp), max_model_len=max_len)
     return replace(base, **opts).validate()

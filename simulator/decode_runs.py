@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from simulator.perf_model import PerfModel
+from simulator.perf_model import PerfModel, jitter_factor
 from simulator.sequence import Sequence
 
 MAX_RUN = 128  # steps priced ahead; longer runs are planned again, shorter waste less when cut
@@ -51,18 +51,23 @@ def run_length(running: Seq[Sequence], free_blocks: int, block_size: int) -> int
 
 
 def run_times(perf: PerfModel, start_s: float, first_s: float, batch: int, kv_tokens: int,
-              steps: int) -> tuple[list[float], list[float]]:
+              steps: int, *, seed: int = 0, step_no: int = 0) -> tuple[list[float], list[float]]:
     """The durations and end times of `steps` decode steps of `batch` sequences, the first
-    starting at `start_s`, lasting `first_s` and reading `kv_tokens` of KV."""
-    # PerfModel.step_time(0.0, b, kv) inlined, with its float operations in the same order
-    over, weights, kv_s = perf.step_overhead_s + 0.0, perf.weight_read_s, perf.kv_read_s_per_token
+    starting at `start_s`, lasting `first_s` and reading `kv_tokens` of KV; the first is step
+    number `step_no` of the engine seeded `seed` (its jitter key)."""
+    # PerfModel.step_time(0, b, kv) inlined, with its float operations in the same order
+    over = perf.step_overhead_s + batch * perf.comm_s_per_token + batch * perf.seq_s
+    weights = perf.weight_read_time(batch)
     compute = batch * perf.prefill_s_per_token
+    gemm = weights if weights >= compute else compute
+    kv_s, cv = perf.kv_read_s_per_token, perf.jitter
     durations = [first_s]
     ends = [start_s + first_s]
     t = ends[0]
     for i in range(2, steps + 1):
-        memory = weights + (kv_tokens + batch * (i - 1)) * kv_s
-        d = over + (memory if memory >= compute else compute)
+        d = over + gemm + (kv_tokens + batch * (i - 1)) * kv_s + 0.0
+        if cv:
+            d *= jitter_factor(seed, step_no + i - 1, cv)
         t = t + d
         durations.append(d)
         ends.append(t)

@@ -31,8 +31,8 @@ SIM_ARGS = [
     "--tensor-parallel-size",
     "1",
     "--gpu-memory-utilization",
-    "0.6",
-]  # ~63K tokens of KV per replica: the working set below exceeds one, fits four
+    "0.52",
+]  # ~60K tokens of KV per replica (`gateway plan`): the working set below exceeds one, fits four
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from simulator.config import EngineConfig, build_config
 from simulator.engine import Engine
 from simulator.kv_cache import PromptHasher
+from simulator.perf_model import jitter_factor
 from simulator.profiles import GpuProfile, ModelProfile
 from simulator.results import RequestRecord, RunResult
 from simulator.tokenizer import ByteTokenizer, Tokenizer
@@ -101,26 +102,78 @@ class Cluster:
         return out
 
 
-async def run(requests: Iterable[SimRequest], cluster: Cluster, router: Router, *,
+@dataclass(slots=True)
+class ClosedLoop:
+    """`users` closed-loop clients: each sends a request, waits for its last token, thinks
+    `think_time_s`, sends the next, as a benchmark with N concurrent clients does.
+
+    `next_request(user, k)` gives user `user`'s `k`-th request (its `arrival_s` is set when
+    it is sent), or None when that user is done. All users send their first request at
+    `start_s` + `user x stagger_s`.
+    """
+
+    users: int
+    next_request: Callable[[int, int], SimRequest | None]
+    think_time_s: float = 0.0
+    start_s: float = 0.0
+    stagger_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.users < 1:
+            raise ValueError("a closed loop needs at least one user")
+        if self.think_time_s < 0 or self.stagger_s < 0:
+            raise ValueError("think time and stagger must be >= 0")
+
+
+def fixed_length_users(users: int, prompt_tokens: int, output_tokens: int, *,
+                       requests_per_user: int, seed: int = 0, think_time_s: float = 0.0,
+                       vocab: tuple[int, int] = (16, 100_000)) -> ClosedLoop:
+    """The benchmark clients of `vllm bench serve --max-concurrency N` on random data: every
+    request a fresh random prompt of `prompt_tokens` tokens (no shared prefix) and exactly
+    `output_tokens` tokens out."""
+    import random
+
+    lo, hi = vocab
+
+    def make(user: int, k: int) -> SimRequest | None:
+        if k >= requests_per_user:
+            return None
+        rng = random.Random(seed * 1_000_003 + user * 10_007 + k)
+        prompt = [rng.randrange(lo, hi) for _ in range(prompt_tokens)]
+        return SimRequest(f"u{user}-{k}", 0.0, prompt, output_tokens)
+
+    return ClosedLoop(users, make, think_time_s=think_time_s)
+
+
+async def run(requests: Iterable[SimRequest] | ClosedLoop, cluster: Cluster, router: Router, *,
               scrape_interval_s: float = 1.0, fuse_decode: bool = True) -> RunResult:
-    """Replay `requests` through `router` onto `cluster`; deterministic for a given input.
+    """Replay `requests` (open loop) or drive a `ClosedLoop` of clients through `router` onto
+    `cluster`; deterministic for a given input.
 
     The router sees loads as of the last scrape (every `scrape_interval_s` virtual seconds;
-    0 means live). At equal times arrivals go before step completions. `fuse_decode` prices
-    stretches of pure decode at once (same result, much faster); off, every step is an event.
+    0 means live). A routed request reaches its engine after the engine profile's request
+    latency (API server, tokenisation); its TTFT counts from its arrival. At equal times
+    arrivals go before step completions. `fuse_decode` prices stretches of pure decode at
+    once (same result, much faster); off, every step is an event. Records come in arrival
+    order (closed loop: in the order requests were sent).
     """
-    reqs = sorted(requests, key=lambda r: r.arrival_s)
+    if isinstance(requests, ClosedLoop):
+        loop: ClosedLoop | None = requests
+        reqs: list[SimRequest] = []
+    else:
+        loop = None
+        reqs = sorted(requests, key=lambda r: r.arrival_s)
     # A trace holds millions of token ids in long-lived lists; exempt everything that exists
     # now from the cyclic GC, or full collections re-scan them again and again.
     gc.freeze()
     try:
-        return await _run(reqs, cluster, router, scrape_interval_s, fuse_decode)
+        return await _run(reqs, loop, cluster, router, scrape_interval_s, fuse_decode)
     finally:
         gc.unfreeze()
 
 
-async def _run(reqs: list[SimRequest], cluster: Cluster, router: Router,
-               scrape_interval_s: float, fuse: bool) -> RunResult:
+async def _run(reqs: list[SimRequest], loop: ClosedLoop | None, cluster: Cluster,
+               router: Router, scrape_interval_s: float, fuse: bool) -> RunResult:
     engines = cluster.engines
     n = len(engines)
     first_cb: Callable[..., Any] | None = getattr(router, "on_first_token", None)
@@ -128,10 +181,39 @@ async def _run(reqs: list[SimRequest], cluster: Cluster, router: Router,
     ends: list[tuple[float, int, int]] = []  # (step end, push number, replica)
     current = [0] * n  # push number of each engine's live heap entry; older ones are stale
     records: dict[int, RequestRecord] = {}
-    order = {id(r): k for k, r in enumerate(reqs)}
+    # arrivals (kind 0: at the router) and entries (kind 1: at an engine), by time then order
+    events: list[tuple[float, int, int, int, SimRequest]] = []
+    order: dict[int, int] = {}
+    latency = [e.perf.request_latency_s for e in engines]
+    request_cv = [e.perf.engine.request_jitter_cv for e in engines]
     view = cluster.loads(0.0)
     next_scrape = scrape_interval_s
     pushes = 0
+    issued = 0
+    sent: dict[int, int] = {}  # closed loop: requests each user has sent
+
+    def arrive(req: SimRequest) -> None:
+        nonlocal issued
+        order[id(req)] = issued
+        heapq.heappush(events, (req.arrival_s, issued, 0, -1, req))
+        issued += 1
+
+    def send(user: int, t: float) -> None:
+        assert loop is not None
+        k = sent.get(user, 0)
+        req = loop.next_request(user, k)
+        if req is None:
+            return
+        sent[user] = k + 1
+        req.arrival_s = t
+        req.meta["user"] = user
+        arrive(req)
+
+    for req in reqs:
+        arrive(req)
+    if loop is not None:
+        for u in range(loop.users):
+            send(u, loop.start_s + u * loop.stagger_s)
 
     def push(i: int) -> None:
         nonlocal pushes
@@ -145,26 +227,32 @@ async def _run(reqs: list[SimRequest], cluster: Cluster, router: Router,
         engines[i].begin_step(t, fuse=fuse)
         push(i)
 
-    k, total = 0, len(reqs)
-    while k < total or ends:
+    while events or ends:
         while ends and ends[0][1] != current[ends[0][2]]:
             heapq.heappop(ends)  # a fused run that was cut short
-        t_arrival = reqs[k].arrival_s if k < total else math.inf
-        t = min(t_arrival, ends[0][0]) if ends else t_arrival
+        t_event = events[0][0] if events else math.inf
+        t = min(t_event, ends[0][0]) if ends else t_event
         if scrape_interval_s > 0 and t >= next_scrape:
             at = math.floor(t / scrape_interval_s) * scrape_interval_s
             view = cluster.loads(at)
             next_scrape = at + scrape_interval_s
-        if t_arrival <= t:
-            req = reqs[k]
-            k += 1
-            for e in engines:
-                e.sync_at = t
-            choice = router.route(req, view if scrape_interval_s > 0 else cluster.loads(t))
-            if inspect.isawaitable(choice):
-                choice = await choice
-            if not isinstance(choice, int) or not 0 <= choice < n:
-                raise ValueError(f"router returned {choice!r} for {req.id}; want 0..{n - 1}")
+        if t_event <= t:
+            _, k, kind, choice, req = heapq.heappop(events)
+            if kind == 0:
+                for e in engines:
+                    e.sync_at = t
+                routed = router.route(req, view if scrape_interval_s > 0 else cluster.loads(t))
+                if inspect.isawaitable(routed):
+                    routed = await routed
+                if not isinstance(routed, int) or not 0 <= routed < n:
+                    raise ValueError(f"router returned {routed!r} for {req.id}; want 0..{n - 1}")
+                delay = latency[routed](len(req.prompt_tokens))
+                if delay > 0 and request_cv[routed]:
+                    delay *= jitter_factor(engines[routed].seed + 7919, k, request_cv[routed])
+                if delay > 0:
+                    heapq.heappush(events, (t + delay, k, 1, routed, req))
+                    continue
+                choice = routed
             engine = engines[choice]
             if engine.in_flight is not None and engine.in_flight.ends:
                 engine.sync(t)
@@ -183,15 +271,18 @@ async def _run(reqs: list[SimRequest], cluster: Cluster, router: Router,
             if first_cb is not None and seq.last_itl is None:
                 await _maybe(first_cb(seq.user, i, t))
         for seq in result.finished:
-            rec = RequestRecord(seq.id, i, seq.arrival_s, seq.first_token_s or t, t,
+            req = seq.user
+            rec = RequestRecord(seq.id, i, req.arrival_s, seq.first_token_s or t, t,
                                 seq.prompt_len, seq.cached_tokens, len(seq.output),
                                 seq.preemptions, seq.priority)
-            records[order[id(seq.user)]] = rec
+            records[order[id(req)]] = rec
             if finish_cb is not None:
-                await _maybe(finish_cb(seq.user, i, rec))
+                await _maybe(finish_cb(req, i, rec))
+            if loop is not None:
+                send(req.meta["user"], t + loop.think_time_s)
         if engines[i].has_work:
             start(i, t)
-    return RunResult([records[j] for j in range(total)], [e.counters.busy_time_s for e in engines])
+    return RunResult([records[j] for j in range(issued)], [e.counters.busy_time_s for e in engines])
 
 
 async def _maybe(value: Any) -> None:

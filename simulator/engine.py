@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from simulator import decode_runs
 from simulator.config import EngineConfig
 from simulator.kv_cache import PrefixCache, PromptHasher, salt_seed
+from simulator.perf_model import jitter_factor
 from simulator.scheduler import Scheduler
 from simulator.sequence import Sequence, Status
 from simulator.stats import EngineCounters
@@ -61,6 +62,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.counters = EngineCounters()
         self.rng = random.Random(seed)
+        self.seed = seed
+        self.step_no = 0  # steps applied so far: the key of each step's seeded jitter
         self.filler = tuple(filler_ids)
         self.requests: dict[str, Sequence] = {}
         self.in_flight: Step | None = None
@@ -182,8 +185,9 @@ class Engine:
                 prefill_tokens += n
                 if attention:
                     attention_s += perf.attention_s(n, nc)
-        prefill_s = prefill_tokens * perf.prefill_s_per_token + attention_s
-        duration = perf.step_time(prefill_s, n_decode, kv_tokens)
+        duration = perf.step_time(prefill_tokens, n_decode, kv_tokens, attention_s)
+        if perf.jitter:
+            duration *= jitter_factor(self.seed, self.step_no, perf.jitter)
         step = Step(self.now_s, duration, batch.items, batch.preempted, batch.admitted,
                     prefill_tokens, n_decode)
         if fuse and n_decode == len(batch.items) == self.num_running and not batch.admitted:
@@ -204,7 +208,8 @@ class Engine:
         if k < 2:
             return step
         durations, ends = decode_runs.run_times(self.perf, step.start_s, step.duration_s,
-                                                len(running), kv_tokens, k)
+                                                len(running), kv_tokens, k,
+                                                seed=self.seed, step_no=self.step_no)
         return replace(step, durations=durations, ends=ends)
 
     def _apply_run(self, step: Step, j: int) -> Step:
@@ -227,6 +232,7 @@ class Engine:
             grow(seq, 1)  # what the next step's scheduling allocates and registers
         c = self.counters
         c.steps += j
+        self.step_no += j
         for d in durations[:j]:
             c.busy_time_s += d
         c.generation_tokens += j * len(step.items)
@@ -261,6 +267,7 @@ class Engine:
         t = self.now_s = step.end_s
         c = self.counters
         c.steps += 1
+        self.step_no += 1
         c.busy_time_s += step.duration_s
         result = StepResult(t)
         emitted, finished = result.emitted, result.finished

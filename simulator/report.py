@@ -72,14 +72,18 @@ def capacity_table(seq_len: int = 4096) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for m in load_models():
         for g in load_gpus():
-            cfg = build_config(m, g)
+            try:
+                cfg = build_config(m, g)
+            except ValueError:
+                lines.append(f"| {m} | {g} | > 8 | | | | | | | |")  # not even on 8 GPUs
+                continue
             p = cfg.perf
             lines.append(
                 f"| {m} | {g} | {cfg.tensor_parallel_size} | {p.weight_bytes_per_gpu / 1e9:.1f} | "
-                f"{p.kv_bytes_per_token:,} | {p.kv_capacity_bytes / 1e9:.1f} | "
+                f"{p.kv_bytes_per_token:,.0f} | {p.kv_capacity_bytes / 1e9:.1f} | "
                 f"{cfg.num_blocks:,} | {p.max_concurrency(seq_len):.1f} | "
                 f"{p.prefill_time(1000) * 1000:.0f} | "
-                f"{(p.step_time(0.0, 1, 1000)) * 1000:.1f} |")
+                f"{(p.step_time(0, 1, 1000)) * 1000:.1f} |")
     return "\n".join(lines)
 
 

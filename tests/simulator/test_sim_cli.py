@@ -13,6 +13,7 @@ import pytest
 
 import simulator
 from simulator import report
+from simulator.profiles import load_gpus, load_models
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,10 +55,12 @@ async def test_cli_rejects_a_bad_configuration() -> None:
 def test_capacity_table_lists_every_model_and_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert report.main(["--table", "capacity"]) == 0
     out = capsys.readouterr().out
-    assert "| llama-2-13b | a100-80g | 1 | 26.0 | 819,200 | 40.0 |" in out
-    assert "| 11.9 |" in out and "| qwen2.5-14b | a100-80g | 1 |" in out
-    assert "| llama-3.1-70b | h200 | 2 |" in out
-    assert out.count("\n| llama") + out.count("\n| qwen") == 9
+    # the engine's rule: 79.2 GiB x 0.9 - 26 GB weights - activation peak - 1 GiB non-torch
+    assert "| llama-2-13b | a100-80g | 1 | 26.0 | 819,200 | 48.6 |" in out
+    assert "| qwen2.5-14b | a100-80g | 1 |" in out and "| llama-3.1-70b | h200 | 2 |" in out
+    assert "| deepseek-v3 | h200 | 8 |" in out and "| deepseek-v3 | a100-80g | > 8 |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) - 1 == len(load_models()) * len(load_gpus())
 
 
 async def test_prefix_cache_cuts_ttft_in_the_report_workload() -> None:
@@ -65,13 +68,14 @@ async def test_prefix_cache_cuts_ttft_in_the_report_workload() -> None:
     on, off = rows
     assert on["cache"] == "on" and off["cache"] == "off"
     assert float(on["hit_ratio"]) > 0.85 and float(off["hit_ratio"]) == 0.0
-    assert float(on["ttft_p50"]) < float(off["ttft_p50"]) / 5
+    # both pay the request latency outside the engine (about 60 ms for 2,100 tokens)
+    assert float(on["ttft_p50"]) < float(off["ttft_p50"]) / 3
     assert "| 1 | on |" in report.cache_table(rows)
 
 
 def test_public_surface() -> None:
     assert set(simulator.__all__) == {
-        "ByteTokenizer", "Cluster", "Engine", "EngineConfig", "Fault", "Fleet", "GpuProfile",
+        "ByteTokenizer", "ClosedLoop", "Cluster", "Engine", "EngineConfig", "Fault", "Fleet", "GpuProfile",
         "ModelProfile", "OutputLengths", "PerfModel", "Replica", "ReplicaLoad", "RequestRecord",
         "Router", "RunResult", "SimRequest", "Tokenizer", "TokenizerJson", "build_config",
         "chat_requests", "get_gpu", "get_model", "run"}

@@ -120,7 +120,8 @@ async def test_the_view_shows_queueing() -> None:
             loads.append(view[0].waiting + view[0].running)
             return 0
 
-    burst = [SimRequest(f"b{i}", 0.001 * i, list(range(i * 1000, i * 1000 + 3000)), 50)
+    # requests reach the engine after the API server's latency (tens of ms): spread them
+    burst = [SimRequest(f"b{i}", 0.01 * i, list(range(i * 1000, i * 1000 + 3000)), 50)
              for i in range(40)]
     await run(burst, Cluster(1, seed=0), Spy(), scrape_interval_s=0)
     assert max(loads) > 10

@@ -1,0 +1,269 @@
+"""Measured against simulated: every row of a calibration CSV replayed closed loop in the DES.
+
+    python -m simulator.fidelity DATA.csv [--profile P] [--split test] [--rows N]
+
+Each row (the format of shared/calibration/: backend, model, gpu, precision, isl, osl,
+concurrency, tp, ttft_ms, tpot_ms) is one closed-loop benchmark: `concurrency` clients, each
+sending random `isl`-token prompts and receiving exactly `osl` tokens. The report prints
+measured and simulated mean TTFT and TPOT per row and the mean absolute percentage error
+(MAPE) overall, by TP size and by concurrency band.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from simulator.des import Cluster, RoundRobin, fixed_length_users, run
+from simulator.profiles import (
+    EngineProfile,
+    GpuProfile,
+    ModelProfile,
+    load_engines,
+    load_gpus,
+    load_models,
+)
+
+GPU_ALIASES = {"h100_sxm": "h100", "h200_sxm": "h200", "a100_sxm": "a100-80g",
+               "b200_sxm": "b200", "mi300x": "mi300x", "l40s": "l40s"}
+REQUESTS_PER_CLIENT = 10  # the benchmark's requests per client (num_prompts = 10 x concurrency)
+STEADY_ROUNDS = 3  # closed-loop rounds simulated for the spread-out part
+BANDS = ((1, 8, "c<=8"), (9, 32, "c 9-32"), (33, 10**9, "c>32"))
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One measured configuration."""
+
+    model: str
+    gpu: str
+    precision: str
+    isl: int
+    osl: int
+    concurrency: int
+    tp: int
+    ttft_ms: float
+    tpot_ms: float
+
+    @property
+    def key(self) -> tuple[str, str, int, int, int, int]:
+        return (self.gpu, self.model, self.tp, self.isl, self.osl, self.concurrency)
+
+
+def read_rows(path: str | Path) -> list[Row]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return [Row(r["model"], r["gpu"], r["precision"], int(r["isl"]), int(r["osl"]),
+                    int(r["concurrency"]), int(r["tp"]), float(r["ttft_ms"]),
+                    float(r["tpot_ms"])) for r in csv.DictReader(f)]
+
+
+def split(rows: Sequence[Row], part: str) -> list[Row]:
+    """The deterministic half split: rows in (gpu, model, tp, isl, osl, concurrency) order,
+    even positions calibrate ("cal"), odd ones are held out ("test"); "all" keeps all."""
+    ordered = sorted(rows, key=lambda r: r.key)
+    if part == "all":
+        return ordered
+    if part not in ("cal", "test"):
+        raise ValueError(f"split must be cal, test or all, not {part!r}")
+    return ordered[0 if part == "cal" else 1::2]
+
+
+@dataclass(frozen=True, slots=True)
+class Profiles:
+    """The model, GPU and engine profiles a report runs with."""
+
+    models: dict[str, ModelProfile]
+    gpus: dict[str, GpuProfile]
+    engines: dict[str, EngineProfile]
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> Profiles:
+        """The shipped profiles, with a calibration profile file's entries over them (a YAML
+        mapping with `gpus:` and `engines:` sections of fields to replace)."""
+        p = cls(load_models(), load_gpus(), load_engines())
+        if path is None:
+            return p
+        data = yaml.safe_load(Path(path).read_text("utf-8")) or {}
+        return p.with_overrides(data.get("gpus", {}), data.get("engines", {}))
+
+    def with_overrides(self, gpus: dict[str, dict[str, Any]],
+                       engines: dict[str, dict[str, Any]]) -> Profiles:
+        g = dict(self.gpus)
+        for k, v in gpus.items():
+            g[k] = _replace(g[k], v) if k in g else GpuProfile(key=k, **v)
+        e = dict(self.engines)
+        for k, v in engines.items():
+            e[k] = _replace(e[k], v) if k in e else EngineProfile(name=k, **v)
+        return Profiles(self.models, g, e)
+
+    def model_for(self, name: str) -> ModelProfile:
+        want = name.lower()
+        for m in self.models.values():
+            hf = m.hf_name.lower()
+            if want in (m.name, hf, hf.removesuffix("-instruct")):
+                return m
+        raise ValueError(f"no model profile for {name!r}")
+
+    def gpu_for(self, name: str) -> GpuProfile:
+        key = GPU_ALIASES.get(name.lower(), name.lower())
+        if key not in self.gpus:
+            raise ValueError(f"no GPU profile for {name!r}")
+        return self.gpus[key]
+
+
+def _replace(obj: Any, values: dict[str, Any]) -> Any:
+    known = {f.name for f in fields(obj)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"unknown field(s) {sorted(unknown)} for {type(obj).__name__}")
+    return replace(obj, **{k: float(v) if isinstance(v, int | float) and not isinstance(v, bool)
+                           and isinstance(getattr(obj, k), float) else v
+                           for k, v in values.items()})
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    row: Row
+    ttft_ms: float
+    tpot_ms: float
+    preemptions: int
+
+    @property
+    def ttft_err(self) -> float:
+        return abs(self.ttft_ms - self.row.ttft_ms) / self.row.ttft_ms
+
+    @property
+    def tpot_err(self) -> float:
+        return abs(self.tpot_ms - self.row.tpot_ms) / self.row.tpot_ms
+
+
+def engine_options(row: Row, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    weight = {"fp8": "fp8", "bf16": "", "fp16": "", "int4": "int4", "awq": "int4",
+              "w4a16": "int4", "mxfp4": "mxfp4"}.get(row.precision.lower(), "")
+    return {"tensor_parallel_size": row.tp, "weight_dtype": weight,
+            "kv_cache_dtype": kv_cache_dtype, "max_model_len": row.isl + row.osl,
+            "enable_prefix_caching": True, "prefill_attention": True}
+
+
+async def _closed_loop(row: Row, profiles: Profiles, engine: str, kv_cache_dtype: str,
+                       seed: int, rounds: int, staggered: bool) -> tuple[float, float, int]:
+    cluster = Cluster(1, profiles.model_for(row.model), profiles.gpu_for(row.gpu), seed=seed,
+                      engine=profiles.engines[engine], **engine_options(row, kv_cache_dtype))
+    c = row.concurrency
+    users = fixed_length_users(c, row.isl, row.osl, requests_per_user=rounds, seed=seed)
+    if staggered:
+        # clients spread over one request's expected duration: the phases they run at
+        perf = cluster.config.perf
+        cycle = row.osl * perf.step_time(0, c, c * (row.isl + row.osl // 2))
+        users.stagger_s = cycle / c
+    recs = (await run(users, cluster, RoundRobin())).records
+    return (sum(r.ttft_s for r in recs) / len(recs), sum(r.tpot_s for r in recs) / len(recs),
+            sum(r.preemptions for r in recs))
+
+
+async def simulate(row: Row, profiles: Profiles, *, engine: str = "vllm",
+                   requests_per_client: int = REQUESTS_PER_CLIENT, kv_cache_dtype: str = "auto",
+                   seed: int = 0, steady_rounds: int = STEADY_ROUNDS) -> Result:
+    """`row`'s benchmark in the DES: mean TTFT and TPOT over its requests.
+
+    The benchmark sends `requests_per_client` x concurrency requests: the first round leaves
+    all at once (a burst: prompts queue for the step's token budget), the rest find the
+    clients spread out (a closed loop with the clients' phases spread over one request). The
+    two are simulated apart and weighted 1 : (requests_per_client - 1).
+    """
+    b_ttft, b_tpot, b_pre = await _closed_loop(row, profiles, engine, kv_cache_dtype, seed, 1,
+                                               False)
+    if requests_per_client <= 1:
+        return Result(row, b_ttft * 1e3, b_tpot * 1e3, b_pre)
+    s_ttft, s_tpot, s_pre = await _closed_loop(row, profiles, engine, kv_cache_dtype, seed,
+                                               steady_rounds, True)
+    w = 1.0 / requests_per_client
+    return Result(row, 1e3 * (w * b_ttft + (1 - w) * s_ttft),
+                  1e3 * (w * b_tpot + (1 - w) * s_tpot), b_pre + s_pre)
+
+
+def simulate_all(rows: Iterable[Row], profiles: Profiles, **options: Any) -> list[Result]:
+    async def go() -> list[Result]:
+        return [await simulate(r, profiles, **options) for r in rows]
+    return asyncio.run(go())
+
+
+def mape(values: Sequence[float]) -> float:
+    return 100.0 * sum(values) / len(values) if values else math.nan
+
+
+def groups(results: Sequence[Result]) -> dict[str, list[Result]]:
+    """Results by TP size and by concurrency band (what the goal bounds)."""
+    out: dict[str, list[Result]] = {}
+    for r in results:
+        out.setdefault(f"tp{r.row.tp}", []).append(r)
+        for lo, hi, name in BANDS:
+            if lo <= r.row.concurrency <= hi:
+                out.setdefault(name, []).append(r)
+    return dict(sorted(out.items()))
+
+
+def summary(results: Sequence[Result]) -> dict[str, tuple[float, float, int]]:
+    """{"all" | "tpN" | band: (TTFT MAPE %, TPOT MAPE %, rows)}."""
+    table = {"all": list(results), **groups(results)}
+    return {k: (mape([r.ttft_err for r in v]), mape([r.tpot_err for r in v]), len(v))
+            for k, v in table.items()}
+
+
+def report(results: Sequence[Result], out: Callable[[str], None] = print) -> None:
+    out("| gpu | tp | isl | osl | conc | TTFT meas (ms) | TTFT sim (ms) | err | "
+        "TPOT meas (ms) | TPOT sim (ms) | err | preempt |")
+    out("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        w = r.row
+        out(f"| {w.gpu} | {w.tp} | {w.isl} | {w.osl} | {w.concurrency} | {w.ttft_ms:.1f} | "
+            f"{r.ttft_ms:.1f} | {100 * (r.ttft_ms / w.ttft_ms - 1):+.1f}% | {w.tpot_ms:.2f} | "
+            f"{r.tpot_ms:.2f} | {100 * (r.tpot_ms / w.tpot_ms - 1):+.1f}% | {r.preemptions} |")
+    out("")
+    out("| rows | n | TTFT MAPE | TPOT MAPE |")
+    out("| --- | ---: | ---: | ---: |")
+    for k, (ttft, tpot, n) in summary(results).items():
+        out(f"| {k} | {n} | {ttft:.1f}% | {tpot:.1f}% |")
+
+
+def subset(rows: Sequence[Row], every: int) -> list[Row]:
+    """Every `every`-th row (a reduced run for tests)."""
+    return list(rows[::every]) if every > 1 else list(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m simulator.fidelity", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("data", help="CSV of measured closed-loop benchmarks")
+    ap.add_argument("--profile", default=None,
+                    help="a calibration profile (YAML from simulator.calibrate); default: the "
+                         "shipped profiles")
+    ap.add_argument("--split", choices=("all", "cal", "test"), default="all",
+                    help="rows to run: all, or the calibration (even) / held-out (odd) half")
+    ap.add_argument("--every", type=int, default=1, help="run every N-th selected row only")
+    ap.add_argument("--engine", default="vllm")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT,
+                    help="benchmark requests per client; the first round is a burst")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    rows = subset(split(read_rows(args.data), args.split), args.every)
+    results = simulate_all(rows, Profiles.load(args.profile), engine=args.engine,
+                           kv_cache_dtype=args.kv_cache_dtype,
+                           requests_per_client=args.requests_per_client, seed=args.seed)
+    print(f"{args.data}: {len(results)} rows ({args.split} split), profile "
+          f"{args.profile or 'shipped'}, {args.requests_per_client} requests per client")
+    report(results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
