@@ -50,6 +50,7 @@ GOAL_CPU_PER_REQ_US = 500.0
 GOAL_ADDED_P50_MS = 1.0  # at half saturation
 GOAL_ADDED_P99_MS = 5.0
 GOAL_TTFT_MS = 0.5  # added at c=1
+GOAL_TRACED_X = 1.15  # --tracing otlp: CPU per request traced (sampling 1.0) / untraced
 RUST_REFERENCE = "sgl-cache_aware"  # the public Rust cache-aware router the gateway is held to
 RUST_POLICIES = ("cache_aware", "round_robin")  # sglang-router's, one row each when installed
 
@@ -838,6 +839,10 @@ def _goals(rows: dict[tuple[str, str], Row], vs: list[Variant]) -> str:
             line(f"added p99 at half saturation <= {GOAL_ADDED_P99_MS:g} ms", half99, half99 <= GOAL_ADDED_P99_MS),
             line(f"added TTFT p50 at c=1 <= {GOAL_TTFT_MS:g} ms", ttft, ttft <= GOAL_TTFT_MS),
         ]  # fmt: skip
+        if v.name.endswith("+otlp"):  # --tracing otlp: the traced row against its untraced one
+            x = cpu / get("sat", "gw_us", v.name.removesuffix("+otlp"))
+            goal = f"traced CPU per request <= {GOAL_TRACED_X:g} x untraced"
+            out.append(line(goal, x, x <= GOAL_TRACED_X))
     return "\n".join(out)
 
 

@@ -154,41 +154,68 @@ class Recorder:
 
 
 def _finish_trace(rec: Record, tr: RequestTrace, status: int, now: int) -> None:
-    ep, sent = tr.epoch_ns, rec.sent
+    if not tr.sampled:
+        tr.finish(end_ns=0)  # nothing is recorded for an unsampled trace
+        return
+    o, sent = tr.epoch_ns(0), rec.sent  # o: perf_counter_ns → epoch ns
     # hash + match run before the admission queue, choose after it (in stage attributes)
-    route = (ep(rec.t_route), ep(rec.t_queue)) if rec.t_queue else None
-    queue = (ep(rec.t_queue), ep(rec.t_admitted)) if rec.t_admitted else None
-    prefill = (ep(sent.t_sent), ep(sent.t_first)) if sent.t_first else None
+    route = (rec.t_route + o, rec.t_queue + o) if rec.t_queue else None
+    queue = (rec.t_queue + o, rec.t_admitted + o) if rec.t_admitted else None
+    prefill = (sent.t_sent + o, sent.t_first + o) if sent.t_first else None
     streamed = rec.stream and sent.t_last and sent.t_first
-    decode = (ep(sent.t_first), ep(sent.t_last)) if streamed else None
-    routed = bool(rec.t_routed)
+    decode = (sent.t_first + o, sent.t_last + o) if streamed else None
+    # the values now; they are named when the spans are built (the export thread, for OTLP/HTTP)
+    v = (
+        rec.model, rec.tenant, rec.pool, rec.prompt_tokens, rec.prompt_blocks,
+        rec.predicted_hit_blocks, tuple(sent.tried), rec.outcome, rec.priority, sent.replica,
+        rec.policy, rec.reason, rec.snapshot, rec.stages if rec.t_routed else None,
+        sent.input_tokens, sent.output_tokens, status,
+    )  # fmt: skip
+
+    def named() -> dict[str, object]:  # refers to no Record or RequestTrace (no cycle)
+        (model, tenant, pool, prompt_tokens, blocks, hit_blocks, tried, outcome, priority,
+         replica, policy, reason, version, stages, input_tokens, output_tokens, code) = v  # fmt: skip
+        a = RequestTrace.NAMES
+        out: dict[str, object] = {
+            a["model"]: model,
+            a["tenant"]: tenant,
+            a["pool"]: pool,
+            a["prompt_tokens_estimated"]: prompt_tokens,
+            a["prompt_blocks"]: blocks,
+            a["predicted_cached_blocks"]: hit_blocks,
+            a["retries"]: max(0, len(tried) - 1),
+            a["outcome"]: outcome,
+        }
+        if priority:
+            out[a["priority"]] = priority
+        if replica != "none":
+            out[a["replica"]] = replica
+        if policy:
+            out[a["policy"]] = policy
+        if reason:
+            out[a["route_reason"]] = reason
+        if version:
+            out[a["config_version"]] = version
+        if stages is not None:
+            out[a["route_hash_us"]] = stages[0] // 1000
+            out[a["route_match_us"]] = stages[1] // 1000
+            out[a["route_choose_us"]] = stages[2] // 1000
+        if input_tokens is not None:
+            out[a["input_tokens"]] = input_tokens
+        if output_tokens is not None:
+            out[a["output_tokens"]] = output_tokens
+        if tried:
+            out[a["replicas_tried"]] = tried
+        if code:
+            out[a["status_code"]] = code
+        return out
+
     tr.finish(
         queue=queue,
         route=route,
         prefill=prefill,
         decode=decode,
-        end_ns=ep(now),
-        attrs={
-            "model": rec.model,
-            "tenant": rec.tenant,
-            "priority": rec.priority or None,
-            "pool": rec.pool,
-            "replica": sent.replica if sent.replica != "none" else None,
-            "policy": rec.policy or None,
-            "route_reason": rec.reason or None,
-            "config_version": rec.snapshot or None,
-            "prompt_tokens_estimated": rec.prompt_tokens,
-            "prompt_blocks": rec.prompt_blocks,
-            "predicted_cached_blocks": rec.predicted_hit_blocks,
-            "route_hash_us": rec.stages[0] // 1000 if routed else None,
-            "route_match_us": rec.stages[1] // 1000 if routed else None,
-            "route_choose_us": rec.stages[2] // 1000 if routed else None,
-            "input_tokens": sent.input_tokens,
-            "output_tokens": sent.output_tokens,
-            "retries": max(0, len(sent.tried) - 1),
-            "replicas_tried": sent.tried or None,
-            "outcome": rec.outcome,
-            "status_code": status or None,
-        },
+        end_ns=now + o,
+        named=named,
         error_type=rec.error_type if rec.outcome != "ok" else None,
     )

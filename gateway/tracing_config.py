@@ -70,7 +70,12 @@ class TracingConfig(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """What the config and the environment resolve to; `endpoint` is where spans are sent."""
+    """What the config and the environment resolve to; `endpoint` is where spans are sent.
+
+    `root_bound` is the sampler's decision for a trace that starts here, as the TraceIdRatioBased
+    bound on the low 64 bits of the trace id (2**64: always, 0: never), so the request path can
+    decide without calling the sampler; with a parent the sampler decides.
+    """
 
     exporter: ExporterName
     endpoint: str | None
@@ -78,6 +83,7 @@ class Settings:
     sampler: sampling.Sampler
     service_name: str
     resource: dict[str, str]
+    root_bound: int = 1 << 64
 
 
 def resolve(config: TracingConfig | None, environ: Mapping[str, str]) -> Settings:
@@ -99,13 +105,15 @@ def resolve(config: TracingConfig | None, environ: Mapping[str, str]) -> Setting
         raw = _parse_pairs(environ.get(var, ""), var)
         headers = {k.lower(): v for k, v in raw.items()}
         headers.update((k.lower(), v.get_secret_value()) for k, v in cfg.headers.items())
+    sampler, root_ratio = _sampler(cfg, environ)
     return Settings(
         exporter=name,
         endpoint=_endpoint(name, cfg, environ),
         headers=headers,
-        sampler=_sampler(cfg, environ),
+        sampler=sampler,
         service_name=service,
         resource=resource,
+        root_bound=sampling.TraceIdRatioBased.get_bound_for_rate(root_ratio),
     )
 
 
@@ -184,22 +192,24 @@ def _endpoint(name: ExporterName, cfg: TracingConfig, env: Mapping[str, str]) ->
     return None
 
 
-def _sampler(cfg: TracingConfig, env: Mapping[str, str]) -> sampling.Sampler:
+def _sampler(cfg: TracingConfig, env: Mapping[str, str]) -> tuple[sampling.Sampler, float]:
+    """The sampler, and the ratio of the traces it keeps among those that start here."""
     if cfg.sampling_ratio is not None:
-        return sampling.ParentBased(sampling.TraceIdRatioBased(cfg.sampling_ratio))
+        ratio = cfg.sampling_ratio
+        return sampling.ParentBased(sampling.TraceIdRatioBased(ratio)), ratio
     name = env.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
     if name == "always_on":
-        return sampling.ALWAYS_ON
+        return sampling.ALWAYS_ON, 1.0
     if name == "always_off":
-        return sampling.ALWAYS_OFF
+        return sampling.ALWAYS_OFF, 0.0
     if name == "parentbased_always_on":
-        return sampling.ParentBased(sampling.ALWAYS_ON)
+        return sampling.ParentBased(sampling.ALWAYS_ON), 1.0
     if name == "parentbased_always_off":
-        return sampling.ParentBased(sampling.ALWAYS_OFF)
+        return sampling.ParentBased(sampling.ALWAYS_OFF), 0.0
     if name in ("traceidratio", "parentbased_traceidratio"):
         ratio = _ratio(env.get("OTEL_TRACES_SAMPLER_ARG", ""))
         root = sampling.TraceIdRatioBased(ratio)
-        return root if name == "traceidratio" else sampling.ParentBased(root)
+        return (root if name == "traceidratio" else sampling.ParentBased(root)), ratio
     raise TracingError(
         f"OTEL_TRACES_SAMPLER={name!r}: supported are always_on, always_off, traceidratio, "
         "parentbased_always_on, parentbased_always_off, parentbased_traceidratio"

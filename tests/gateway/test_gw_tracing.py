@@ -1,18 +1,15 @@
 """Tracing: the spans a request produces, W3C propagation, and how config and OTEL_* pick the exporter.
 
-Spans are checked with an InMemorySpanExporter; OTLP over HTTP is checked against a real loopback sink.
+Spans are checked with an InMemorySpanExporter; the OTLP/HTTP exporter against real loopback
+collectors is test_gw_otlp.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import re
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import pytest
 from opentelemetry import trace
@@ -432,78 +429,3 @@ async def test_aclose_flushes_off_the_event_loop(
     tracing, _ = memory
     await tracing.aclose()
     assert tracing.start({}, time.time_ns()) is None
-
-
-# --- OTLP over HTTP into a real loopback sink --------------------------------------------------
-
-
-@dataclass
-class Sink:
-    port: int
-    posts: list[tuple[str, str, bytes]] = field(default_factory=list)
-
-
-@pytest.fixture
-def sink() -> Iterator[Sink]:
-    received = Sink(0)
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("content-length", "0")))
-            received.posts.append((self.path, self.headers.get("content-type", ""), body))
-            self.send_response(200)
-            self.send_header("content-type", "application/x-protobuf")
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    received.port = server.server_address[1]
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
-        yield received
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
-
-
-@pytest.mark.skipif(not HAS_HTTP, reason="opentelemetry-exporter-otlp-proto-http is not installed")
-def test_otlp_http_delivers_spans(sink: Sink, monkeypatch: pytest.MonkeyPatch) -> None:
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    config = TracingConfig(
-        exporter="otlp_http",
-        endpoint=f"http://127.0.0.1:{sink.port}",
-        headers={"x-token": SecretStr("t")},
-    )
-    tracing = Tracing(config, environ={})
-    assert tracing.enabled
-    t0 = time.time_ns()
-    rt = tracing.start({b"traceparent": INCOMING}, t0)
-    assert rt is not None
-    rt.finish(
-        queue=(t0, t0 + MS),
-        route=(t0 + MS, t0 + 2 * MS),
-        prefill=(t0 + 2 * MS, t0 + 3 * MS),
-        decode=(t0 + 3 * MS, t0 + 4 * MS),
-        end_ns=t0 + 5 * MS,
-        attrs={"pool": "chat"},
-    )
-    tracing.shutdown()  # flushes the batch processor
-    assert sink.posts, "the sink received no export"
-    path, content_type, body = sink.posts[0]
-    assert path == "/v1/traces" and content_type == "application/x-protobuf" and body
-    spans = [
-        span
-        for _, _, raw in sink.posts
-        for rs in ExportTraceServiceRequest.FromString(raw).resource_spans
-        for ss in rs.scope_spans
-        for span in ss.spans
-    ]
-    assert {s.name for s in spans} == {"gateway.request", *SEGMENTS}
-    assert {s.trace_id.hex() for s in spans} == {TRACE_ID}

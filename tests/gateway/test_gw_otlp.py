@@ -1,0 +1,371 @@
+"""The gateway's own OTLP/HTTP exporter (gateway/otlp.py), against real loopback collectors.
+
+What it sends is checked by decoding with opentelemetry-proto, and against the SDK's own OTLP
+encoding of the same trace; through a gateway, the spans a request makes and the traceparent it
+sends on; sampling off sends nothing; a dead or failing collector costs requests nothing, and
+what is lost is counted and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pydantic import SecretStr
+
+from gateway import create_app, parse_config
+from gateway.otlp import OtlpHttpSink
+from gateway.tracing import SEGMENTS, RequestTrace, SdkSpans, Tracing, TracingConfig
+from simulator.harness import free_port
+from tests.gateway.fake_replica import Upstream
+from tests.support import start_server
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+PARENT_ID = "b7ad6b7169203331"
+INCOMING = f"00-{TRACE_ID}-{PARENT_ID}-01"
+CHAT = [{"role": "user", "content": "hello"}]
+MS = 1_000_000
+FAST = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # export every 50 ms
+
+
+@dataclass
+class Collector:
+    """An OTLP/HTTP receiver on loopback that answers `status` and keeps what it got."""
+
+    port: int = 0
+    status: int = 200
+    posts: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spans(self) -> list[PbSpan]:
+        return [
+            span
+            for _, _, body in self.posts
+            for rs in ExportTraceServiceRequest.FromString(body).resource_spans
+            for ss in rs.scope_spans
+            for span in ss.spans
+        ]
+
+
+@pytest.fixture
+def collector() -> Iterator[Collector]:
+    got = Collector()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length", "0")))
+            got.posts.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+            self.send_response(got.status)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    got.port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield got
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.fixture(autouse=True)
+def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+
+
+def otlp(url: str, **kw: Any) -> TracingConfig:
+    return TracingConfig(exporter="otlp_http", endpoint=url, **kw)
+
+
+def attrs(span: PbSpan) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kv in span.attributes:
+        which = kv.value.WhichOneof("value")
+        value = getattr(kv.value, which)
+        if which == "array_value":
+            value = tuple(getattr(v, v.WhichOneof("value")) for v in value.values)
+        out[kv.key] = value
+    return out
+
+
+def a_full_trace(tracing: Tracing, incoming: bool) -> RequestTrace:
+    headers = {b"traceparent": INCOMING.encode(), b"tracestate": b"vendor=abc"} if incoming else {}
+    t0 = time.time_ns()
+    rt = tracing.start(headers, t0)
+    assert rt is not None and rt.sampled
+    rt.set({"gateway.custom.flag": True, "gateway.custom.list": [1, 2]}, pool="chat")
+    rt.finish(
+        route=(t0 + MS, t0 + 2 * MS),
+        queue=(t0 + 2 * MS, t0 + 3 * MS),
+        prefill=(t0 + 3 * MS, t0 + 103 * MS),
+        decode=(t0 + 103 * MS, t0 + 503 * MS),
+        end_ns=t0 + 504 * MS,
+        attrs={"replicas_tried": ["r0", "r1"], "retries": 1, "status_code": 503},
+        named={"gen_ai.usage.output_tokens": 101, "gateway.replica": "r1"},
+    )
+    return rt
+
+
+@pytest.mark.parametrize("incoming", [False, True])
+def test_the_encoding_decodes_to_what_the_sdk_exporter_sends(incoming: bool) -> None:
+    captured: list[RequestTrace] = []
+
+    class Keep:
+        def end(self, trace: RequestTrace) -> None:
+            captured.append(trace)
+
+        def shutdown(self) -> None:
+            pass
+
+    tracing = Tracing(otlp("http://127.0.0.1:9"), environ={})
+    real = tracing.sink
+    assert isinstance(real, OtlpHttpSink)
+    tracing.sink = Keep()
+    a_full_trace(tracing, incoming)
+    (rt,) = captured
+    ours = ExportTraceServiceRequest.FromString(real.request([rt]))
+    sdk = SdkSpans(SimpleSpanProcessor(InMemorySpanExporter()), tracing.resource, tracing.scope)
+    theirs = encode_spans(sdk.spans(rt))
+    assert ours == theirs
+    spans = {s.name: s for s in ours.resource_spans[0].scope_spans[0].spans}
+    root = spans["gateway.request"]
+    assert root.status.code == 2 and root.status.message == "503"  # ERROR, a 5xx
+    assert attrs(root)["gateway.replicas_tried"] == ("r0", "r1")
+    assert attrs(root)["gateway.custom.flag"] is True
+    assert (root.trace_state == "vendor=abc") is incoming
+    real.shutdown()
+
+
+def test_a_trace_reaches_the_collector_with_headers_and_resource(collector: Collector) -> None:
+    config = otlp(collector.url, headers={"x-token": SecretStr("t")}, service_name="gw-test")
+    tracing = Tracing(config, environ={**FAST, "OTEL_RESOURCE_ATTRIBUTES": "k8s.pod.name=p1"})
+    rt = a_full_trace(tracing, incoming=True)
+    tracing.shutdown()  # flushes
+    path, headers, body = collector.posts[0]
+    assert path == "/v1/traces" and headers["content-type"] == "application/x-protobuf"
+    assert headers["x-token"] == "t"
+    resource = ExportTraceServiceRequest.FromString(body).resource_spans[0].resource
+    res = {kv.key: kv.value.string_value for kv in resource.attributes}
+    assert res["service.name"] == "gw-test" and res["k8s.pod.name"] == "p1"
+    spans = {s.name: s for s in collector.spans()}
+    assert set(spans) == {"gateway.request", *SEGMENTS}
+    root = spans["gateway.request"]
+    assert root.trace_id.hex() == TRACE_ID and root.parent_span_id.hex() == PARENT_ID
+    assert root.span_id == rt.sid.to_bytes(8, "big")
+    assert root.kind == PbSpan.SpanKind.SPAN_KIND_SERVER
+    for name in SEGMENTS:
+        child = spans[name]
+        assert child.parent_span_id == root.span_id and child.trace_id == root.trace_id
+        assert child.kind == PbSpan.SpanKind.SPAN_KIND_INTERNAL
+        assert root.start_time_unix_nano <= child.start_time_unix_nano
+        assert child.end_time_unix_nano <= root.end_time_unix_nano
+
+
+def test_gzip_compression_from_the_environment(collector: Collector) -> None:
+    import gzip
+
+    env = {**FAST, "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "gzip"}
+    tracing = Tracing(otlp(collector.url), environ=env)
+    a_full_trace(tracing, incoming=False)
+    tracing.shutdown()
+    _, headers, body = collector.posts[0]
+    assert headers["content-encoding"] == "gzip"
+    request = ExportTraceServiceRequest.FromString(gzip.decompress(body))
+    assert len(request.resource_spans[0].scope_spans[0].spans) == 5
+
+
+async def serve(
+    collector_url: str, up: Upstream, environ: dict[str, str], **tracing: Any
+) -> tuple[Tracing, Any, Any]:
+    served = await start_server(up)
+    cfg = parse_config({"pools": {"chat": {"replicas": [served.url], "policy": "round_robin"}}})
+    t = Tracing(otlp(collector_url, **tracing), environ=environ)
+    gw = await start_server(create_app(cfg, tracing=t), lifespan="on")
+    return t, gw, served
+
+
+async def chat_then_stop(gw: Any, served: Any, n: int) -> None:
+    """`n` non-streamed chats, each answered 200, then the gateway (its exporter flushed) and
+    the replica stopped."""
+    try:
+        async with httpx.AsyncClient() as h:
+            for _ in range(n):
+                body = {"model": "test-model", "messages": CHAT}
+                res = await h.post(gw.url + "/v1/chat/completions", json=body)
+                assert res.status_code == 200
+    finally:
+        await gw.stop()
+        await served.stop()
+
+
+async def test_a_gateway_request_exports_its_spans_and_continues_the_trace(
+    collector: Collector,
+) -> None:
+    up = Upstream("a", chunks=8, chunk_delay_s=0.005)
+    tracing, gw, served = await serve(collector.url, up, FAST)
+    sink = tracing.sink
+    assert isinstance(sink, OtlpHttpSink)
+    try:
+        async with httpx.AsyncClient() as h:
+            headers = {"traceparent": INCOMING, "tracestate": "vendor=abc"}
+            body = {"model": "test-model", "messages": CHAT, "stream": True}
+            res = await h.post(gw.url + "/v1/chat/completions", json=body, headers=headers)
+            assert res.status_code == 200
+            res = await h.post(
+                gw.url + "/v1/chat/completions", json={"model": "test-model", "messages": CHAT}
+            )
+            assert res.status_code == 200
+    finally:
+        await gw.stop()  # the lifespan's shutdown flushes the exporter
+        await served.stop()
+    assert sink.exported_spans == len(collector.spans()) and sink.failed_spans == 0
+    by_trace: dict[str, list[PbSpan]] = {}
+    for span in collector.spans():
+        by_trace.setdefault(span.trace_id.hex(), []).append(span)
+    assert len(by_trace) == 2
+    streamed = {s.name: s for s in by_trace.pop(TRACE_ID)}
+    assert set(streamed) == {"gateway.request", *SEGMENTS}
+    root = streamed["gateway.request"]
+    assert root.parent_span_id.hex() == PARENT_ID and root.trace_state == "vendor=abc"
+    a = attrs(root)
+    assert a["gateway.pool"] == "chat" and a["gateway.outcome"] == "ok"
+    assert a["gateway.policy"] == "round_robin" and a["http.response.status_code"] == 200
+    assert a["gateway.replica"] == "127.0.0.1:" + served.url.rsplit(":", 1)[1]
+    assert a["gateway.replicas_tried"] == (a["gateway.replica"],) and a["gateway.retries"] == 0
+    assert a["gateway.config.version"] == 1 and a["gen_ai.request.model"] == "test-model"
+    assert a["gateway.ttft_s"] > 0 and "error.type" not in a
+    seq = [streamed[n] for n in SEGMENTS]
+    for before, after in zip(seq, seq[1:], strict=False):
+        assert before.end_time_unix_nano <= after.start_time_unix_nano
+    # the replica saw the same trace, parented on the gateway's root span, and the tracestate
+    first = up.headers[0]
+    _, trace_id, parent, flags = first[b"traceparent"].decode().split("-")
+    assert (trace_id, parent, flags) == (TRACE_ID, root.span_id.hex(), "01")
+    assert first[b"tracestate"] == b"vendor=abc"
+    # the second request started a trace of its own, at the gateway
+    (other,) = [s for s in next(iter(by_trace.values())) if s.name == "gateway.request"]
+    assert (
+        other.parent_span_id == b""
+        and up.headers[1][b"traceparent"].decode().split("-")[1] == other.trace_id.hex()
+    )
+
+
+async def test_sampling_off_exports_nothing_but_propagates(collector: Collector) -> None:
+    up = Upstream("a")
+    tracing, gw, served = await serve(collector.url, up, FAST, sampling_ratio=0.0)
+    await chat_then_stop(gw, served, 3)
+    assert collector.posts == []
+    assert all(h[b"traceparent"].decode().endswith("-00") for h in up.headers)
+
+
+async def test_a_dead_collector_costs_requests_nothing_and_is_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    up = Upstream("a")
+    # nothing listens there; a queue of 12 spans holds three 4-span traces
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "60000", "OTEL_BSP_MAX_QUEUE_SIZE": "12"}
+    tracing, gw, served = await serve(f"http://127.0.0.1:{free_port()}", up, env)
+    sink = tracing.sink
+    assert isinstance(sink, OtlpHttpSink)
+    caplog.set_level(logging.WARNING, logger="gateway.tracing")
+    await chat_then_stop(gw, served, 5)
+    assert sink.dropped_spans == 8  # two traces past the queue's 12 spans
+    assert sink.failed_spans == 12 and sink.exported_spans == 0  # the rest: refused connection
+    assert "OTLP export queue full" in caplog.text
+
+
+@pytest.mark.parametrize("status", [400, 500])
+def test_a_collector_error_is_logged_not_raised(
+    collector: Collector, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    collector.status = status
+    caplog.set_level(logging.WARNING, logger="gateway.tracing")
+    tracing = Tracing(otlp(collector.url), environ={**FAST, "OTEL_EXPORTER_OTLP_TIMEOUT": "1"})
+    sink = tracing.sink
+    assert isinstance(sink, OtlpHttpSink)
+    a_full_trace(tracing, incoming=False)
+    tracing.shutdown()
+    assert sink.failed_spans == 5 and sink.exported_spans == 0
+    assert f"HTTP {status}" in caplog.text
+    assert len(collector.posts) == 1  # 400 and 500 are not retried
+
+
+def test_a_retryable_status_is_retried(collector: Collector) -> None:
+    collector.status = 503
+
+    def recover() -> None:
+        while not collector.posts:
+            time.sleep(0.01)
+        collector.status = 200
+
+    threading.Thread(target=recover, daemon=True).start()
+    tracing = Tracing(otlp(collector.url), environ=FAST)
+    sink = tracing.sink
+    assert isinstance(sink, OtlpHttpSink)
+    a_full_trace(tracing, incoming=False)
+    while sink.exported_spans == 0 and sink.failed_spans == 0:  # backoff: about 1 s
+        time.sleep(0.05)
+    tracing.shutdown()
+    assert sink.exported_spans == 5 and len(collector.posts) == 2
+
+
+def test_the_queue_is_bounded_and_sends_in_batches(collector: Collector) -> None:
+    env = {
+        "OTEL_BSP_SCHEDULE_DELAY": "60000",
+        "OTEL_BSP_MAX_QUEUE_SIZE": "50",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "20",
+    }
+    tracing = Tracing(otlp(collector.url), environ=env)
+    sink = tracing.sink
+    assert isinstance(sink, OtlpHttpSink)
+    for _ in range(12):  # 60 spans: the last two traces do not fit
+        a_full_trace(tracing, incoming=False)
+    assert sink.dropped_spans == 10
+    tracing.shutdown()
+    assert sink.exported_spans == 50 and sink.queued_spans == 0
+    assert [len(ExportTraceServiceRequest.FromString(b).resource_spans[0].scope_spans[0].spans)
+            for _, _, b in collector.posts] == [20, 20, 10]  # fmt: skip
+
+
+def test_bad_exporter_variables_are_named() -> None:
+    from gateway.tracing import TracingError
+
+    for var, value in (
+        ("OTEL_BSP_MAX_QUEUE_SIZE", "lots"),
+        ("OTEL_EXPORTER_OTLP_COMPRESSION", "brotli"),
+    ):
+        with pytest.raises(TracingError, match=var):
+            Tracing(otlp("http://127.0.0.1:9"), environ={var: value})
+
+
+def test_sdk_path_still_serves_other_exporters() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(None, exporter=exporter, environ={})
+    assert isinstance(tracing.sink, SdkSpans)
+    a_full_trace(tracing, incoming=True)
+    assert {s.name for s in exporter.get_finished_spans()} == {"gateway.request", *SEGMENTS}
+    tracing.shutdown()
