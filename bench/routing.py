@@ -208,7 +208,7 @@ def _hit_vs_oracle(least: float) -> Check:
 def _vs(ref: str, key: str, factor: float, *, higher: bool = False) -> Check:
     def check(p: Prepared, r: Row) -> Verdict:
         base = p.rows.get(ref)
-        if base is None:
+        if base is None or base is r:  # a router held to itself: not a goal it can meet or miss
             return None
         ratio = r.s[key] / base.s[key] if base.s[key] else math.inf
         shown = f"{ratio:.3f}x" if higher else f"{ratio:.2f}x"  # throughput ties are close
