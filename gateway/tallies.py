@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -45,22 +46,36 @@ class _Hist:
         self.sum += v
 
 
-class CounterTally:
-    """A labelled counter: `labels(*values).inc(n)`."""
+Child = TypeVar("Child", _Count, _Hist)
 
-    kind = "counter"
+
+class _Tally(Generic[Child]):
+    """A labelled metric: one child per label set, made on first use."""
 
     def __init__(self, name: str, doc: str, labelnames: Sequence[str]) -> None:
-        self.name, self.doc, self.labelnames = name.removesuffix("_total"), doc, list(labelnames)
-        self.children: dict[Labels, _Count] = {}
+        self.name, self.doc, self.labelnames = name, doc, list(labelnames)
+        self.children: dict[Labels, Child] = {}
 
-    def labels(self, *values: str) -> _Count:
+    def labels(self, *values: str) -> Child:
         child = self.children.get(values)
         if child is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: labels {self.labelnames}, got {values!r}")
-            child = self.children[values] = _Count()
+            child = self.children[values] = self._child()
         return child
+
+    def _child(self) -> Child:
+        raise NotImplementedError
+
+
+class CounterTally(_Tally[_Count]):
+    """A labelled counter: `labels(*values).inc(n)`."""
+
+    def __init__(self, name: str, doc: str, labelnames: Sequence[str]) -> None:
+        super().__init__(name.removesuffix("_total"), doc, labelnames)
+
+    def _child(self) -> _Count:
+        return _Count()
 
     def family(self) -> Metric:
         fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
@@ -69,27 +84,19 @@ class CounterTally:
         return fam
 
 
-class HistogramTally:
+class HistogramTally(_Tally[_Hist]):
     """A labelled histogram with fixed upper bounds: `labels(*values).observe(v)`."""
-
-    kind = "histogram"
 
     def __init__(
         self, name: str, doc: str, labelnames: Sequence[str], buckets: Sequence[float]
     ) -> None:
-        self.name, self.doc, self.labelnames = name, doc, list(labelnames)
+        super().__init__(name, doc, labelnames)
         self.bounds = tuple(float(b) for b in buckets if b != float("inf"))
         if list(self.bounds) != sorted(set(self.bounds)):
             raise ValueError(f"{name}: buckets must increase: {buckets!r}")
-        self.children: dict[Labels, _Hist] = {}
 
-    def labels(self, *values: str) -> _Hist:
-        child = self.children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name}: labels {self.labelnames}, got {values!r}")
-            child = self.children[values] = _Hist(self.bounds)
-        return child
+    def _child(self) -> _Hist:
+        return _Hist(self.bounds)
 
     def family(self) -> Metric:
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
