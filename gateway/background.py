@@ -45,6 +45,7 @@ class Background:
         self._discovery: dict[str, tuple[DiscoveryConfig, asyncio.Task[None]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # subscriptions, drains, closes
         self._parity: asyncio.Task[None] | None = None
+        self._index: object = None  # the index the replicas were last sized in
 
     def start(self, snap: Snapshot) -> None:
         if snap.config.index.events.enabled:
@@ -85,19 +86,50 @@ class Background:
         self._sync_discovery(snap)
 
     def _sync_monitors(self, snap: Snapshot) -> None:
-        """Monitors for every live replica; a replica's index capacity set when it appears."""
-        index = snap.index
+        """Monitors for every live replica; a replica's index capacity set when it appears, and
+        every replica's again when the snapshot brings a new index (a reload that changed it)."""
+        fresh_index, self._index = snap.index is not self._index, snap.index
         for pool in snap.pools.values():
             for r in pool.replicas:
-                if id(r) in self._monitors:
+                known = id(r) in self._monitors
+                if fresh_index or not known:
+                    self._size(snap, r)
+                if known:
                     continue
-                if index is not None and r.capacity_blocks:
-                    index.set_capacity(r.name, r.capacity_blocks)
-                m = ReplicaMonitor(r, self.session, pool.config.health, pool.config.scrape)
+                m = ReplicaMonitor(
+                    r, self.session, pool.config.health, pool.config.scrape, self._engine_kv
+                )
                 m.start()
                 self._monitors[id(r)] = m
                 if self.kv_events is not None and r.kv_events:
                     self.spawn(self._subscribe(r))
+
+    def _size(self, snap: Snapshot, r: ReplicaState) -> None:
+        """A replica's bound in the index: its configured `capacity_blocks`, else the KV its
+        engine reports (`cache_config_info`, in index blocks), else the index's default."""
+        if snap.index is None:
+            return
+        if r.capacity_blocks:
+            snap.index.set_capacity(r.name, r.capacity_blocks)
+        elif r.engine_kv is not None:
+            snap.index.set_capacity(r.name, max(1, int(r.engine_kv[1] / snap.chunker.tokens_per_block)))
+
+    def _engine_kv(self, r: ReplicaState) -> None:
+        """The engine reported its KV cache geometry (first, or changed): size the replica in the
+        index by it, and name a block size that differs from tokens mode's (then no index block
+        is an engine block, so precise routing cannot match)."""
+        assert r.engine_kv is not None
+        block_size, tokens = r.engine_kv
+        snap = self._current()
+        self._size(snap, r)
+        chunker = snap.chunker
+        log.info("replica %s: the engine holds %d tokens of KV in %d-token blocks", r.name, tokens, block_size)
+        if chunker.mode == "tokens" and block_size != int(chunker.tokens_per_block):
+            log.warning(
+                "replica %s: the engine's KV block is %d tokens, index.chunking.block_size is %d: "
+                "set them equal, or precise routing and KV events cannot match its blocks",
+                r.name, block_size, int(chunker.tokens_per_block),
+            )  # fmt: skip
 
     async def _subscribe(self, r: ReplicaState) -> None:
         model = await self.served_model(r)

@@ -76,6 +76,7 @@ class ReplicaState:
     unrecords: int = 0  # failed dispatches whose unconfirmed blocks left the index
     scraped: LoadSample | None = None
     scraped_at: float = 0.0
+    engine_kv: tuple[int, int] | None = None  # (block size, KV tokens) the engine last reported
     ttft_ewma_s: float | None = None
     served_models: frozenset[str] = frozenset()  # from the replica's /v1/models
     on_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
@@ -198,11 +199,15 @@ class ReplicaMonitor:
         client: ControlClient,
         health: HealthConfig,
         scrape: ScrapeConfig,
+        on_engine_kv: Callable[[ReplicaState], None] | None = None,
     ) -> None:
+        """`on_engine_kv(replica)`: the engine reported its KV cache geometry for the first time,
+        or another one (`replica.engine_kv`), in its `cache_config_info` metric."""
         self.replica = replica
         self.client = client
         self.health = health
         self.scrape = scrape
+        self.on_engine_kv = on_engine_kv
         self._tasks: list[asyncio.Task[None]] = []
         self._scrape_failing = False
 
@@ -256,6 +261,13 @@ class ReplicaMonitor:
             self._scrape_failing = False
         sample = parse_metrics(text)
         r.scraped, r.scraped_at = sample, time.monotonic()
+        tokens = sample.kv_tokens
+        if tokens is not None and sample.block_size is not None:
+            kv = (sample.block_size, tokens)
+            if kv != r.engine_kv:
+                r.engine_kv = kv
+                if self.on_engine_kv is not None:
+                    self.on_engine_kv(r)
         return sample
 
     async def _probe_loop(self) -> None:

@@ -1,4 +1,8 @@
-"""Parse a replica's Prometheus `/metrics` text into the load signals routing uses (vLLM and SGLang names)."""
+"""Parse a replica's Prometheus `/metrics` text into the load signals routing uses (vLLM and SGLang names).
+
+Besides the load, the engine's KV cache geometry: `vllm:cache_config_info{block_size, num_gpu_blocks}`
+and `sglang:cache_config_info{page_size, num_pages}` (info gauges: the facts are labels).
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,11 @@ _FIELDS: dict[str, str] = {
     "sglang:num_retracted_reqs": "preemptions",
 }
 _MEAN_FIELDS = frozenset({"kv_usage"})  # averaged over engines (DP ranks); the rest are summed
+# info gauge -> (label of the block size in tokens, label of the number of KV blocks)
+_CACHE_INFO: dict[str, tuple[str, str]] = {
+    "vllm:cache_config_info": ("block_size", "num_gpu_blocks"),
+    "sglang:cache_config_info": ("page_size", "num_pages"),
+}
 
 
 @dataclass(slots=True)
@@ -32,12 +41,22 @@ class LoadSample:
     preemptions: float | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    block_size: int | None = None  # the engine's KV block size in tokens (cache_config_info)
+    kv_blocks: int | None = None  # its KV blocks, all engines (DP ranks) together
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """Tokens of KV the engine holds at most, as it reports them; None when it does not."""
+        if self.block_size is None or self.kv_blocks is None:
+            return None
+        return self.block_size * self.kv_blocks
 
 
 def parse_metrics(text: str) -> LoadSample:
     """Sum each signal over its label sets (engines), averaging KV usage; unknown names are ignored."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    sample_info: dict[str, int] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -50,7 +69,11 @@ def parse_metrics(text: str) -> LoadSample:
             name, _, tail = line.partition(" ")
             rest = tail.split()
         field = _FIELDS.get(name)
-        if field is None or not rest:
+        if field is None:
+            if name in _CACHE_INFO and brace >= 0:
+                _cache_info(sample_info, _CACHE_INFO[name], line[brace + 1 : line.rfind("}")])
+            continue
+        if not rest:
             continue
         try:
             value = float(rest[0])
@@ -60,7 +83,23 @@ def parse_metrics(text: str) -> LoadSample:
             continue
         sums[field] = sums.get(field, 0.0) + value
         counts[field] = counts.get(field, 0) + 1
-    sample = LoadSample()
+    sample = LoadSample(block_size=sample_info.get("block_size"), kv_blocks=sample_info.get("blocks"))
     for field, total in sums.items():
         setattr(sample, field, total / counts[field] if field in _MEAN_FIELDS else total)
     return sample
+
+
+def _cache_info(into: dict[str, int], names: tuple[str, str], labels: str) -> None:
+    """One engine's cache_config_info labels: its block size (the first one seen wins) and its
+    block count (added to the other engines')."""
+    found: dict[str, str] = {}
+    for pair in labels.split(","):
+        key, _, value = pair.partition("=")
+        found[key.strip()] = value.strip().strip('"')
+    try:
+        size, blocks = int(found[names[0]]), int(found[names[1]])
+    except (KeyError, ValueError):
+        return  # an engine that has not sized its cache yet ("None"), or another version's labels
+    if size > 0 and blocks > 0:
+        into.setdefault("block_size", size)
+        into["blocks"] = into.get("blocks", 0) + blocks
