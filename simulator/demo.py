@@ -97,7 +97,13 @@ async def _one(h: aiohttp.ClientSession, url: str, item: WorkItem, model: str) -
 
 
 async def run_policy(
-    policy: str, items: Sequence[WorkItem], speedup: float, replicas: int, show: bool
+    policy: str,
+    items: Sequence[WorkItem],
+    speedup: float,
+    replicas: int,
+    show: bool,
+    port: int = 0,
+    replica_port: int = 0,
 ) -> DemoRun:
     ttfts: list[float] = []
     errors = 0
@@ -105,10 +111,12 @@ async def run_policy(
     step = 10 if tty else max(1, len(items) // 4)  # a pipe gets a few lines, a terminal one
     sim_args = ("--speedup", str(speedup), *SIM_ARGS)
     async with (
-        simulated_fleet(replicas, *sim_args) as urls,
-        serving(create_app(_demo_config(urls, policy)), lifespan="on") as gw,
+        simulated_fleet(replicas, *sim_args, port=replica_port) as urls,
+        serving(create_app(_demo_config(urls, policy)), port, lifespan="on") as gw,
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as h,
     ):
+        if show:
+            print(f"  {policy}: gateway {gw.url}, replicas {' '.join(urls)}", flush=True)
         t_start = time.perf_counter()
 
         async def fire(item: WorkItem) -> None:
@@ -178,14 +186,19 @@ async def demo(
     replicas: int = 4,
     seed: int = 0,
     policies: Sequence[str] = ("round_robin", DEFAULT_POLICY),
+    port: int = 0,
+    replica_port: int = 0,
 ) -> list[DemoRun]:
+    """`port`: the gateway's (0: any free one); `replica_port`: replica i's is this + i."""
     items = workload(requests, seed)
     show = True
     print(
-        f"demo: {replicas} simulated replicas (qwen2.5-14b on A100-80G, ~63K tokens of KV each), "
+        f"demo: {replicas} simulated replicas (qwen2.5-14b on A100-80G, ~64K tokens of KV each), "
         f"{requests} chat requests sharing 24 system prompts of 3-5K tokens, simulator speedup {speedup:g}x"
     )
-    results = [await run_policy(p, items, speedup, replicas, show) for p in policies]
+    results = [
+        await run_policy(p, items, speedup, replicas, show, port, replica_port) for p in policies
+    ]
     print()
     print(format_table(results))
     print("\n(times are simulated seconds: what these requests would see on the modelled GPUs)")
@@ -200,7 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--speedup", type=float, default=8.0)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=0, help="the gateway's port (0: any free one)")
+    p.add_argument("--replica-port", type=int, default=0,
+                   help="replica i listens on this + i (0: any free ports)")  # fmt: skip
     args = p.parse_args(argv)
     os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
-    asyncio.run(demo(args.requests, args.speedup, args.replicas, args.seed))
+    asyncio.run(demo(args.requests, args.speedup, args.replicas, args.seed,
+                     port=args.port, replica_port=args.replica_port))  # fmt: skip
     return 0

@@ -111,10 +111,11 @@ async def serving(
 
 # --- processes -----------------------------------------------------------------------------------
 @contextlib.asynccontextmanager
-async def simulated_fleet(n: int, *sim_args: str) -> AsyncIterator[list[str]]:
-    """`python -m simulator --replicas n --port 0 *sim_args` in a subprocess; yields its URLs."""
+async def simulated_fleet(n: int, *sim_args: str, port: int = 0) -> AsyncIterator[list[str]]:
+    """`python -m simulator --replicas n --port PORT *sim_args` in a subprocess (replica i on
+    PORT + i; 0: ephemeral ports); yields its URLs."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "simulator", "--replicas", str(n), "--port", "0", *sim_args,
+        sys.executable, "-m", "simulator", "--replicas", str(n), "--port", str(port), *sim_args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     urls: list[str] = []
