@@ -72,6 +72,9 @@ def variants(args: argparse.Namespace, sink_url: str) -> list[Variant]:
         Variant(p, {"pools": {"zero": {"policy": p}, "paced": {"policy": p}}})
         for p in args.policies
     ]
+    if args.request_log != "off":  # the request log written (to the gateway's log file)
+        logged = {"server": {"log_level": "info", "log_format": args.request_log}}
+        out += [Variant(v.name + "+log", _merge(v.overrides, logged)) for v in list(out)]
     if args.tracing == "otlp":
         otlp = {"tracing": {"exporter": "otlp_http", "endpoint": sink_url, "sampling_ratio": 1.0}}
         out += [Variant(v.name + "+otlp", _merge(v.overrides, otlp)) for v in out]
@@ -843,6 +846,9 @@ def _goals(rows: dict[tuple[str, str], Row], vs: list[Variant]) -> str:
             x = cpu / get("sat", "gw_us", v.name.removesuffix("+otlp"))
             goal = f"traced CPU per request <= {GOAL_TRACED_X:g} x untraced"
             out.append(line(goal, x, x <= GOAL_TRACED_X))
+        if v.name.endswith("+log"):  # --request-log: a line per request against none
+            x = cpu / get("sat", "gw_us", v.name.removesuffix("+log"))
+            out.append(f"  {'CPU per request, request log on / off (x)':<58} {x:7.2f}  (measured)")
     return "\n".join(out)
 
 
@@ -864,6 +870,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=["off", "otlp"],
         default="off",
         help="otlp: add a tracing-on row per policy, OTLP/HTTP to the upstream's /v1/traces sink",
+    )
+    p.add_argument(
+        "--request-log",
+        choices=["off", "text", "json"],
+        default="off",
+        help="text|json: add a row per policy with the request log on (log_level info), in that format",
     )
     p.add_argument(
         "--servers",

@@ -19,6 +19,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RequestLogConfig(_Strict):
+    """`server.request_log:` one `gateway.access` line at info per finished request; `sample`
+    is the share of requests logged (0 turns it off). A tenant's `request_log: false` drops its."""
+
+    sample: float = Field(1.0, ge=0, le=1)
+
+
 class ServerConfig(_Strict):
     """`server:`. Memory held by request bodies is bounded twice: each body by `max_body_bytes`
     (read only once its API key checks out, and only until `body_timeout_s` after it started), and
@@ -52,7 +59,9 @@ class ServerConfig(_Strict):
     max_connections: int | None = Field(None, ge=1)  # requests in flight; health probes exempt
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
-    expose_upstream_errors: bool = True
+    # true: error bodies also name replicas, their addresses and why each attempt failed
+    expose_upstream_errors: bool = False
+    request_log: RequestLogConfig = RequestLogConfig()
     admin_key: SecretStr | None = (
         None  # required (Bearer) on /dashboard, /admin/*, /debug/*; unset: those are off
     )

@@ -22,7 +22,7 @@ from .errors import (
     error_body,
 )
 from .openai import Kind
-from .pipeline import Pipeline, RawHeaders
+from .pipeline import Pipeline, RawHeaders, request_id
 from .record import Record
 from .snapshot import Snapshot
 from .tenants import Tenant
@@ -168,14 +168,16 @@ class ProxyEndpoint:
     async def refuse(self, send: Send, exc: GatewayError) -> None:
         """Answer `exc` without reading the body (full request slots), recorded like any request."""
         snap = self.pipeline.gw.current
-        await self.pipeline.finish(snap, Record(time.perf_counter_ns(), snapshot=snap.version), exc)
+        rec = Record(time.perf_counter_ns(), snapshot=snap.version, request_id=request_id({}))
+        await self.pipeline.finish(snap, rec, exc)
         await send_error(send, exc, close=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pipeline = self.pipeline
         snap = pipeline.gw.current  # the one snapshot this request runs on, start to end
-        rec = Record(time.perf_counter_ns(), snapshot=snap.version)
         headers = dict(scope["headers"])
+        # the id first: a request refused before its body is read is logged under it too
+        rec = Record(time.perf_counter_ns(), snapshot=snap.version, request_id=request_id(headers))
         tracing = pipeline.gw.tracing
         if tracing.enabled:
             rec.trace = tracing.start(headers, time.time_ns())

@@ -1,23 +1,26 @@
 """One error tree for everything a client can see, and one mapping to (status, OpenAI body, headers).
 
-    GatewayError                      500 internal_error
-    ├── BadRequest                    400 invalid_request_error
-    ├── Unauthorized                  401 authentication_error
+    GatewayError                      500 server_error            internal_error
+    ├── BadRequest                    400 invalid_request_error   (per error: invalid_json, ...)
+    ├── Unauthorized                  401 authentication_error    invalid_api_key
     ├── Forbidden                     403 permission_error
-    ├── NotFound                      404 not_found_error (unknown model / path)
-    ├── MethodNotAllowed              405 invalid_request_error
-    ├── RequestTimeout                408 invalid_request_error (the body was not in by its deadline)
-    ├── PayloadTooLarge               413 invalid_request_error
-    ├── ConfigRejected                422 invalid_request_error   (admin reload: nothing changed)
-    ├── RateLimited                   429 rate_limit_error        (Retry-After)
-    │   └── RequestExceedsLimit       429 rate_limit_error        (none: it can never fit)
-    ├── Shed                          429 | 503 overloaded_error  (Retry-After)
-    ├── ServerBusy                    503 service_unavailable     (Retry-After: slots, bytes held, shutdown)
-    └── UpstreamError                 502 upstream_error
-        ├── NoReplicaAvailable        503 service_unavailable     (Retry-After)
-        └── UpstreamTimeout           504 timeout_error
+    ├── NotFound                      404 not_found_error         (model_not_found, unknown_url)
+    ├── MethodNotAllowed              405 invalid_request_error   method_not_allowed
+    ├── RequestTimeout                408 invalid_request_error   request_timeout
+    ├── PayloadTooLarge               413 invalid_request_error   request_too_large
+    ├── ConfigRejected                422 invalid_request_error   invalid_config (admin reload)
+    ├── RateLimited                   429 rate_limit_error        rate_limit_exceeded (Retry-After)
+    │   └── RequestExceedsLimit       429 rate_limit_error        request_exceeds_limit (none)
+    ├── Shed                          429 rate_limit_error | 503 service_unavailable_error  overloaded
+    ├── ServerBusy                    503 service_unavailable_error  server_busy (Retry-After)
+    └── UpstreamError                 502 server_error            bad_gateway
+        ├── NoReplicaAvailable        503 service_unavailable_error  no_replica_available (Retry-After)
+        └── UpstreamTimeout           504 timeout_error           upstream_timeout
 
-Handlers raise these; `error_body` and `error_response` are the only places that turn one into bytes.
+`ERROR_TYPES` is the whole vocabulary (OpenAI's `type` strings): a replica's error gets the type
+of its status (`type_for_status`) and a string code (`code_for_status` unless it sent one), so a
+client sees one vocabulary whoever answered. Handlers raise these; `error_payload` (and
+`error_body`, `sse_error_event` on it) is the only place that turns one into a body.
 """
 
 from __future__ import annotations
@@ -27,11 +30,61 @@ from typing import Any
 
 import orjson
 
+# the `type` of every error body a client gets, gateway's or replica's (README "Errors")
+ERROR_TYPES = (
+    "invalid_request_error",  # 400 and any other 4xx not below
+    "authentication_error",  # 401
+    "permission_error",  # 403
+    "not_found_error",  # 404
+    "rate_limit_error",  # 429
+    "server_error",  # 500, 502 and any other 5xx not below
+    "service_unavailable_error",  # 503
+    "timeout_error",  # 504 (and a stream that stalled mid-way)
+)
+_TYPE_OF_STATUS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+_CODE_OF_STATUS = {
+    400: "bad_request",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    409: "conflict",
+    413: "request_too_large",
+    422: "unprocessable_entity",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    501: "not_implemented",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
+
+
+def type_for_status(status: int) -> str:
+    """The OpenAI error type of an HTTP error status."""
+    t = _TYPE_OF_STATUS.get(status)
+    if t is not None:
+        return t
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def code_for_status(status: int) -> str:
+    """A string code for an error status that came without one (`http_<status>` for the rare)."""
+    return _CODE_OF_STATUS.get(status) or f"http_{status}"
+
 
 class GatewayError(Exception):
     status = 500
-    type = "internal_error"
-    code: str | None = None
+    type = "server_error"
+    code: str | None = "internal_error"
 
     def __init__(
         self,
@@ -60,6 +113,7 @@ class GatewayError(Exception):
 class BadRequest(GatewayError):
     status = 400
     type = "invalid_request_error"
+    code = "bad_request"
 
 
 class Unauthorized(GatewayError):
@@ -71,11 +125,13 @@ class Unauthorized(GatewayError):
 class Forbidden(GatewayError):
     status = 403
     type = "permission_error"
+    code = "permission_denied"
 
 
 class NotFound(GatewayError):
     status = 404
     type = "not_found_error"
+    code = "not_found"
 
 
 class MethodNotAllowed(GatewayError):
@@ -118,31 +174,32 @@ class RequestExceedsLimit(RateLimited):
 
 class Shed(GatewayError):
     status = 429
-    type = "overloaded_error"
+    type = "rate_limit_error"
     code = "overloaded"
 
     def __init__(self, message: str, *, status: int = 429, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.status = status
+        self.type = type_for_status(status)
 
 
 class ServerBusy(GatewayError):
     """The gateway itself is full (request slots, or bytes of request bodies held), not a pool."""
 
     status = 503
-    type = "service_unavailable"
+    type = "service_unavailable_error"
     code = "server_busy"
 
 
 class UpstreamError(GatewayError):
     status = 502
-    type = "upstream_error"
+    type = "server_error"
     code = "bad_gateway"
 
 
 class NoReplicaAvailable(UpstreamError):
     status = 503
-    type = "service_unavailable"
+    type = "service_unavailable_error"
     code = "no_replica_available"
 
 

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .config import TimeoutsConfig
-from .errors import GatewayError, ServerBusy, UpstreamError, UpstreamTimeout
+from .config import PoolConfig, TimeoutsConfig
+from .errors import GatewayError, NoReplicaAvailable, ServerBusy, UpstreamError, UpstreamTimeout
 from .openai import Kind, ParsedRequest
 from .pools import Pool
 from .proxy import Opened, Retryable, normalize_error_body, open_upstream, relay_stream, send_whole
@@ -73,7 +73,7 @@ class Failover:
         """Try the ranked replicas in turn until one answers; never retry after the first byte."""
         gw, pc, req = self.gw, out.pool.config, out.req
         path = UPSTREAM_PATHS[req.kind]
-        failures: list[str] = []
+        failures: list[tuple[str, Retryable]] = []
         fired: list[str] = []  # the timeout that ended each timed-out attempt
         deadline = time.monotonic() + pc.timeouts.total_s  # the whole request, retries included
         assert out.routing.decision is not None
@@ -102,7 +102,7 @@ class Failover:
                     raise
                 except Retryable as exc:
                     await current.failed(exc.reason)
-                    failures.append(f"{name}: {exc.reason}")
+                    failures.append((name, exc))
                     spent = (time.perf_counter_ns() - t_sent) / 1e9
                     which = timeout_fired(exc.reason, pc.timeouts, req.stream, left, spent)
                     if which is not None:
@@ -128,16 +128,16 @@ class Failover:
             finally:
                 current.done()
                 gw.notify_capacity(out.pool.name)
-        fwd.error = _all_failed(failures, fired, pc.timeouts, out.expose_errors)
+        fwd.error = _all_failed(failures, fired, pc, out.expose_errors)
         return fwd
 
     async def deliver(self, out: Outbound, opened: Opened, send: Send, fwd: Forwarded) -> None:
         """Relay the chosen replica's answer and read its usage."""
         status = opened.status
         if status != 200:
-            body = normalize_error_body(status, opened.first, out.expose_errors)
+            body, kind = normalize_error_body(status, opened.first, out.expose_errors)
             await send_whole(opened, send, out.extra, body)
-            fwd.outcome, fwd.error_type = "upstream_error", f"upstream_{status}"
+            fwd.outcome, fwd.error_type = "upstream_error", kind
             fwd.t_last = time.perf_counter_ns()
             return
         usage: Any
@@ -162,15 +162,24 @@ class Failover:
 
 
 def _all_failed(
-    failures: list[str], fired: list[str], timeouts: TimeoutsConfig, expose: bool
+    failures: list[tuple[str, Retryable]], fired: list[str], pc: PoolConfig, expose: bool
 ) -> GatewayError:
-    detail = "; ".join(failures) if expose else ""
+    """The error for a request no attempted replica answered: 504 naming the timeouts that fired;
+    503 with Retry-After when every replica answered 503 (all overloaded); else 502. Which
+    replicas were tried and why each failed (hosts in connect errors) only with `expose`."""
+    detail = "; ".join(f"{name}: {exc.reason}" for name, exc in failures) if expose else ""
     n = len(failures)
+    attempts = f"{n} attempt{'' if n == 1 else 's'}"
     if fired:
-        limits = ", ".join(f"{t} ({getattr(timeouts, t):g} s)" for t in dict.fromkeys(fired))
+        limits = ", ".join(f"{t} ({getattr(pc.timeouts, t):g} s)" for t in dict.fromkeys(fired))
         return UpstreamTimeout(
-            f"No replica answered in time: {limits} ran out "
-            f"({n} attempt{'' if n == 1 else 's'}). {detail}".strip()
+            f"No replica answered in time: {limits} ran out ({attempts}). {detail}".strip()
+        )
+    if n and all(exc.status == 503 for _, exc in failures):
+        return NoReplicaAvailable(
+            f"Every attempted replica is overloaded (503, {attempts}); retry later. {detail}".strip(),
+            code="replicas_overloaded",
+            retry_after=pc.health.interval_s,
         )
     return UpstreamError(f"All {n} attempted replicas failed. {detail}".strip())
 

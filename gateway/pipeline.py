@@ -50,7 +50,6 @@ class Pipeline:
         prompt = snap.router.prompt(req)
         pool = pick_pool(snap, req, prompt.tokens)
         rec.pool, rec.prompt_tokens = pool.name, prompt.tokens
-        rec.request_id = request_id(headers)
         extra: Headers = [(b"x-request-id", rec.request_id.encode("latin-1"))]
         rec.charged, limit_headers = await self.limit(snap, tenant, req, prompt.tokens)
         extra += limit_headers
@@ -118,6 +117,7 @@ class Pipeline:
         slot = snap.admission.slot(pool.name, tenant.name, tenant.weight, rec.priority, pool.has_capacity)
         async with slot as waited:
             rec.t_admitted = time.perf_counter_ns()
+            rec.queue_wait_s = waited
             self.recorder.queue_wait(pool.name, rec.priority, waited)
             decision = snap.router.choose(pool, routing)
             rec.t_routed = time.perf_counter_ns()

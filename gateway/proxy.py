@@ -11,6 +11,7 @@ client is gateway.http_client
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,15 @@ import orjson
 
 from .budgets import AnswerBudget, LiveStreams, shutting_down
 from .config import TimeoutsConfig
-from .errors import GatewayError, UpstreamError, UpstreamTimeout, sse_error_event
+from .errors import (
+    ERROR_TYPES,
+    GatewayError,
+    UpstreamError,
+    UpstreamTimeout,
+    code_for_status,
+    sse_error_event,
+    type_for_status,
+)
 from .http_client import (
     HttpClient,
     UpstreamBrokenError,
@@ -317,8 +326,15 @@ def with_stream_usage(raw: bytes, body: dict[str, Any]) -> bytes:
     return orjson.dumps({**body, "stream_options": {**opts, "include_usage": True}})
 
 
-def normalize_error_body(status: int, body: bytes, expose: bool) -> bytes:
-    """Upstream error bodies in the nested OpenAI shape (SGLang's flat shape, plain text, HTML...)."""
+def normalize_error_body(status: int, body: bytes, expose: bool) -> tuple[bytes, str]:
+    """A replica's error answer in the gateway's vocabulary: (the body to send, its error type).
+
+    The nested OpenAI shape whatever the replica sent (vLLM's nested shape with its own `type`
+    and an integer code, SGLang's flat one, plain text, HTML): `type` from ERROR_TYPES (the
+    replica's when it is one, else its status's), a string `code`, the replica's `message`
+    (unless there is none in a JSON body: then a generic one). `expose` false: addresses and URLs
+    in the message are replaced by `<hidden>` and a `param` that is no field name is dropped.
+    """
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -330,18 +346,42 @@ def normalize_error_body(status: int, body: bytes, expose: bool) -> bytes:
             err = inner
         elif isinstance(data.get("message"), str):
             err = data
-    if err is not None and expose:
-        out = {
-            "message": err["message"],
-            "type": err.get("type") if isinstance(err.get("type"), str) else "upstream_error",
-            "param": err.get("param") if isinstance(err.get("param"), str) else None,
-            "code": err.get("code") if isinstance(err.get("code"), str | int) else status,
-        }
-    else:
-        out = {
-            "message": f"The upstream replica answered {status}",
-            "type": "upstream_error",
-            "param": None,
-            "code": status,
-        }
-    return orjson.dumps({"error": out})
+    if err is None:
+        err = {}
+    message = err.get("message") or f"The upstream replica answered {status}"
+    param = err.get("param") if isinstance(err.get("param"), str) else None
+    if not expose:
+        message = hide_addresses(message)
+        if param is not None and not _FIELD.fullmatch(param):
+            param = None
+    kind = err.get("type")
+    if not (isinstance(kind, str) and kind in ERROR_TYPES):
+        kind = type_for_status(status)
+    code = err.get("code")
+    if not (isinstance(code, str) and _CODE.fullmatch(code)):
+        code = "model_not_found" if status == 404 and param == "model" else code_for_status(status)
+    out = {
+        "message": message,
+        "type": kind,
+        "param": param,
+        "code": code,
+    }
+    return orjson.dumps({"error": out}), kind
+
+
+_FIELD = re.compile(r"[A-Za-z_][\w.\[\]-]{0,63}")  # a request field's name (`messages[0].content`)
+_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_ADDRESS = re.compile(
+    r"[a-z][a-z0-9+.-]*://[^\s'\"<>]+"  # a URL
+    r"|\[[0-9a-f:.]+\](?::\d+)?"  # [IPv6]:port
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"  # IPv4[:port]
+    r"|\b(?:[0-9a-f]{1,4}:){7}[0-9a-f]{1,4}\b"  # IPv6, full
+    r"|\b(?:[0-9a-f]{1,4}:){1,6}(?::[0-9a-f]{1,4}){1,6}\b|(?<![\w:])::1\b"  # IPv6, with ::
+    r"|\b(?:localhost|[a-z0-9-]+(?:\.[a-z0-9-]+)+):\d{2,5}\b",  # host:port
+    re.IGNORECASE,
+)
+
+
+def hide_addresses(text: str) -> str:
+    """`text` with every URL, IP address and host:port replaced by `<hidden>`."""
+    return _ADDRESS.sub("<hidden>", text) if ("." in text or ":" in text) else text

@@ -1,12 +1,14 @@
 """What one request did (`Record`), and its recording: metrics, the rolling window, the trace.
 
 The pipeline's steps return values; `Pipeline.handle` writes them into the request's Record, and
-`Recorder.record` turns the Record into metrics and a trace once the request is over, whatever
-happened to it (served, refused, failed, or the client gone).
+`Recorder.record` turns the Record into metrics, a trace and a request log line (`gateway.access`)
+once the request is over, whatever happened to it (served, refused, failed, or the client gone).
 """
 
 from __future__ import annotations
 
+import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,6 +17,7 @@ from policies.types import Decision
 
 from .errors import GatewayError
 from .failover import Forwarded
+from .logs import ACCESS, AccessLine, log_access
 from .pools import Pool
 from .ratelimit import Rule
 from .router import Routing
@@ -47,6 +50,7 @@ class Record:
     t_queue: int = 0
     t_admitted: int = 0
     t_routed: int = 0
+    queue_wait_s: float | None = None  # in the admission queue (None: never reached it)
     charged: list[tuple[Rule, int]] = field(default_factory=list)  # token buckets: what each took
     sent: Forwarded = field(default_factory=Forwarded)
     status: int = 0  # of the answer the client got
@@ -151,6 +155,45 @@ class Recorder:
             )
         if rec.trace is not None:
             _finish_trace(rec, rec.trace, status, now)
+        if ACCESS.isEnabledFor(logging.INFO):
+            self.log(rec, status or 499, e2e, ttft)
+
+    def log(self, rec: Record, status: int, total_s: float, ttft_s: float | None) -> None:
+        """The request's line in the request log, unless the sample or its tenant leaves it out.
+        Counts, times and names only: never a prompt, a body or a key."""
+        snap = self.gw.current
+        sample = snap.config.server.request_log.sample
+        if sample < 1.0 and (sample <= 0.0 or random.random() >= sample):
+            return
+        if rec.tenant in snap.tenants.unlogged:
+            return
+        sent = rec.sent
+        prompt = sent.input_tokens if sent.input_tokens is not None else rec.prompt_tokens or None
+        log_access(
+            AccessLine(
+                {
+                    "request_id": rec.request_id,
+                    "tenant": rec.tenant,
+                    "model": rec.model[:128],
+                    "pool": rec.pool,
+                    "replica": sent.replica,
+                    "status": status,
+                    "outcome": rec.outcome,
+                    "error_type": rec.error_type if rec.outcome != "ok" else None,
+                    "stream": rec.stream,
+                    "priority": rec.priority or None,
+                    "prompt_tokens": prompt,
+                    "cached_tokens": sent.cached_tokens,
+                    "output_tokens": sent.output_tokens,
+                    "queue_s": None if rec.queue_wait_s is None else round(rec.queue_wait_s, 6),
+                    "ttft_s": None if ttft_s is None else round(ttft_s, 6),
+                    "total_s": round(total_s, 6),
+                    "retries": max(0, len(sent.tried) - 1),
+                    "policy": rec.policy or None,
+                    "reason": rec.reason or None,
+                }
+            )
+        )
 
 
 def _finish_trace(rec: Record, tr: RequestTrace, status: int, now: int) -> None:

@@ -112,6 +112,7 @@ class TenantConfig(_Strict):
     # A secret the gateway sends as `cache_salt` (before the client's own salt): the engine then
     # shares none of this tenant's KV blocks with other tenants, and the index scopes them apart.
     cache_salt: SecretStr | None = Field(default=None, min_length=8)
+    request_log: bool = True  # false: none of this tenant's requests is in the request log
 
     @field_validator("api_keys")
     @classmethod
@@ -193,6 +194,7 @@ class Tenant:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     weight: float = 1.0
     cache_salt: str | None = None  # sent to the engine as cache_salt: this tenant's KV is its own
+    request_log: bool = True  # its requests are in the request log (`gateway.access`)
 
     def rules(self, model: str) -> list[Rule]:
         """Buckets for a request to `model`: tenant-wide, then the first matching per-model glob."""
@@ -207,7 +209,7 @@ class Tenant:
 def _tenant(c: TenantConfig) -> Tenant:
     allowed = frozenset(c.allowed_priorities or ()) | {c.priority}
     salt = c.cache_salt.get_secret_value() if c.cache_salt is not None else None
-    return Tenant(c.name, c.priority, allowed, c.limits, c.weight, salt)
+    return Tenant(c.name, c.priority, allowed, c.limits, c.weight, salt, c.request_log)
 
 
 def requested_priority(header: bytes | None, body: Mapping[str, Any]) -> str | None:
@@ -260,6 +262,8 @@ class TenantDirectory:
         self.anonymous = self.tenants.get(ANONYMOUS) or Tenant(
             ANONYMOUS, default, frozenset({default})
         )
+        # tenants whose requests the request log leaves out (`tenants[].request_log: false`)
+        self.unlogged = frozenset(n for n, t in self.tenants.items() if not t.request_log)
 
     def __repr__(self) -> str:
         return f"TenantDirectory(auth={self.auth!r}, tenants={sorted(self.tenants)!r})"

@@ -144,7 +144,7 @@ async def test_stream_shutdown_is_clean_for_httpx() -> None:
             await asyncio.wait_for(task, 10)
         await served.stop()
     data = [ln for ln in lines if ln.startswith("data: ")]
-    assert orjson.loads(data[-1][6:])["error"]["type"] == "service_unavailable"
+    assert orjson.loads(data[-1][6:])["error"]["type"] == "service_unavailable_error"
 
 
 async def test_answer_bytes_in_flight_are_capped() -> None:
