@@ -117,7 +117,6 @@ class Pipeline:
         slot = snap.admission.slot(pool.name, tenant.name, tenant.weight, rec.priority, pool.has_capacity)
         async with slot as waited:
             rec.t_admitted = time.perf_counter_ns()
-            rec.queue_wait_s = waited
             self.recorder.queue_wait(pool.name, rec.priority, waited)
             decision = snap.router.choose(pool, routing)
             rec.t_routed = time.perf_counter_ns()
@@ -144,7 +143,7 @@ class Pipeline:
             for rule, charged in rec.charged:
                 if used != charged:
                     await snap.limiter.adjust(rec.tenant, rule, max(used - charged, -charged))
-        self.recorder.record(rec)
+        self.recorder.record(snap, rec)
 
 
 def pick_pool(snap: Snapshot, req: ParsedRequest, prompt_tokens: int) -> Pool:

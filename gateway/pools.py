@@ -96,6 +96,12 @@ def replica_states(
     return tuple(out)
 
 
+def apply_updates(updates: Iterable[Update]) -> None:
+    """Kept replicas take their new settings (at the swap: nothing awaits in between)."""
+    for state, pc, rc in updates:
+        state.update(pc, rc)
+
+
 def replica_configs(pool: Pool) -> list[ReplicaConfig]:
     """What discovery found for `pool`, as replica configs (to rebuild it under a new config)."""
     return [ReplicaConfig(url=r.url, name=r.name) for r in pool.replicas]

@@ -25,6 +25,7 @@ from .tracing import RequestTrace
 
 if TYPE_CHECKING:
     from .runtime import Gateway
+    from .snapshot import Snapshot
 
 
 @dataclass(slots=True)
@@ -50,7 +51,6 @@ class Record:
     t_queue: int = 0
     t_admitted: int = 0
     t_routed: int = 0
-    queue_wait_s: float | None = None  # in the admission queue (None: never reached it)
     charged: list[tuple[Rule, int]] = field(default_factory=list)  # token buckets: what each took
     sent: Forwarded = field(default_factory=Forwarded)
     status: int = 0  # of the answer the client got
@@ -65,6 +65,11 @@ class Record:
 
     def failed(self, exc: GatewayError) -> None:
         self.status, self.outcome, self.error_type = exc.status, "error", exc.type
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        """Time in the admission queue (None: the request never reached it)."""
+        return (self.t_admitted - self.t_queue) / 1e9 if self.t_admitted else None
 
     @property
     def replica(self) -> str:
@@ -101,8 +106,9 @@ class Recorder:
     def queue_wait(self, pool: str, priority: str, waited_s: float) -> None:
         self.gw.metrics.queue_wait.labels(pool, priority).observe(waited_s)
 
-    def record(self, rec: Record) -> None:
-        """Metrics, the window and the trace of one finished request."""
+    def record(self, snap: Snapshot, rec: Record) -> None:
+        """Metrics, the window, the trace and the log line of one finished request (`snap`: the
+        snapshot it ran on, whose request-log settings apply)."""
         m = self.gw.metrics
         now = time.perf_counter_ns()
         sent = rec.sent
@@ -156,12 +162,13 @@ class Recorder:
         if rec.trace is not None:
             _finish_trace(rec, rec.trace, status, now)
         if ACCESS.isEnabledFor(logging.INFO):
-            self.log(rec, status or 499, e2e, ttft)
+            self.log(snap, rec, status or 499, e2e, ttft)
 
-    def log(self, rec: Record, status: int, total_s: float, ttft_s: float | None) -> None:
+    def log(
+        self, snap: Snapshot, rec: Record, status: int, total_s: float, ttft_s: float | None
+    ) -> None:
         """The request's line in the request log, unless the sample or its tenant leaves it out.
         Counts, times and names only: never a prompt, a body or a key."""
-        snap = self.gw.current
         sample = snap.config.server.request_log.sample
         if sample < 1.0 and (sample <= 0.0 or random.random() >= sample):
             return

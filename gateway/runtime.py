@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prefix_index import PrefixIndex
@@ -24,7 +24,7 @@ from .control_client import ControlClient, open_control_client
 from .http_client import HttpClient
 from .kv_subscriber import KvEvents
 from .metrics import Metrics
-from .pools import Pool, Update, replica_states
+from .pools import Pool, Update, apply_updates, replica_states
 from .ratelimit import RateLimiter
 from .replicas import ReplicaState
 from .router import Router
@@ -60,8 +60,8 @@ class Gateway:
         return self.current.config
 
     @property
-    def pools(self) -> dict[str, Pool]:
-        return dict(self.current.pools)
+    def pools(self) -> Mapping[str, Pool]:
+        return self.current.pools
 
     @property
     def tenants(self) -> TenantDirectory:
@@ -206,8 +206,7 @@ class Gateway:
         replicas = replica_states(
             pool_name, pool.config, configs, pool, self._replica_changed, updates
         )
-        for state, pc, rc in updates:
-            state.update(pc, rc)
+        apply_updates(updates)
         kept = {id(r) for r in replicas}
         gone = [r for r in pool.replicas if id(r) not in kept]
         background = self.background

@@ -24,7 +24,7 @@ from prefix_index.chunking import Chunker, make_chunker
 
 from .admission import Admission
 from .config import Config
-from .pools import OnChange, Pool, Update, build_pools
+from .pools import OnChange, Pool, Update, apply_updates, build_pools
 from .ratelimit import RateLimiter, open_rate_limiter
 from .replicas import ReplicaState
 from .router import Router
@@ -66,8 +66,7 @@ class Built:
     opened: list[PrefixIndex | RateLimiter] = field(default_factory=list)  # stores new to it
 
     def apply(self) -> None:
-        for state, pc, rc in self.updates:
-            state.update(pc, rc)
+        apply_updates(self.updates)
 
     async def discard(self) -> None:
         for part in self.opened:
