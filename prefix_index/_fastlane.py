@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -26,6 +27,16 @@ def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
+class Lane(Protocol):
+    """How a match reaches Redis: `command` packs it once, `call` makes the round trip."""
+
+    def command(self, head: Sequence[bytes], replicas: Sequence[str]) -> Any: ...
+
+    async def call(self, command: Any, load_scripts: Callable[[], Awaitable[None]]) -> Any: ...
+
+    async def reset(self) -> None: ...
+
+
 class FastLane:
     """Sends packed commands on connections made like the pool's, minus the socket timeout
     (redis-py spends a task per send on it): `call` bounds the whole round trip instead."""
@@ -35,6 +46,7 @@ class FastLane:
         self._timeout_s = timeout_s
         self._idle_max = idle
         self._idle: list[AbstractConnection] = []
+        self._current: weakref.WeakSet[AbstractConnection] = weakref.WeakSet()  # since reset
         self._args: dict[tuple[str, ...], tuple[int, bytes]] = {}
 
     def command(self, head: Sequence[bytes], replicas: Sequence[str]) -> bytes:
@@ -56,6 +68,10 @@ class FastLane:
             conn = self._idle.pop() if self._idle else self._connection()
             try:
                 async with asyncio.timeout(self._timeout_s):
+                    # connect() first: a Sentinel-managed connection asks where the master is
+                    # there, not in send_packed_command
+                    if not conn.is_connected:
+                        await conn.connect()  # type: ignore[no-untyped-call]
                     await conn.send_packed_command(packed, check_health=False)
                     response = await conn.read_response()
             except NoScriptError:
@@ -72,7 +88,7 @@ class FastLane:
             except BaseException:  # timeouts, cancellation: the reply may still be on its way
                 await conn.disconnect()
                 raise
-            if len(self._idle) < self._idle_max:
+            if len(self._idle) < self._idle_max and conn in self._current:
                 self._idle.append(conn)
             else:
                 await conn.disconnect()
@@ -80,12 +96,49 @@ class FastLane:
         raise AssertionError("unreachable")
 
     async def reset(self) -> None:
-        """Close the idle connections (after an outage, or at shutdown)."""
+        """Close the idle connections (after an outage, a master switch, or at shutdown); those in
+        use close when their call is done."""
+        self._current = weakref.WeakSet()
         idle, self._idle = self._idle, []
         for conn in idle:
             await conn.disconnect()
 
+    def addresses(self) -> set[tuple[str, int]]:
+        """Where the idle connections are connected."""
+        found = ((getattr(c, "host", None), getattr(c, "port", None)) for c in self._idle)
+        return {(h, p) for h, p in found if isinstance(h, str) and isinstance(p, int)}
+
     def _connection(self) -> AbstractConnection:
         pool = self._pool()
         kwargs = {**pool.connection_kwargs, "socket_timeout": None}
-        return pool.connection_class(**kwargs)
+        conn: AbstractConnection = pool.connection_class(**kwargs)
+        self._current.add(conn)
+        return conn
+
+
+class ClusterLane:
+    """The same calls through a RedisCluster's own machinery, which routes each command to the
+    node of its key's slot, follows MOVED/ASK and maps the slots again after a failover."""
+
+    def __init__(self, client: Callable[[], Any], timeout_s: float) -> None:
+        self._client = client
+        self._timeout_s = timeout_s
+
+    def command(self, head: Sequence[bytes], replicas: Sequence[str]) -> tuple[Any, ...]:
+        return (head[0].decode(), *head[1:], *replicas)  # the cluster client wants a str name
+
+    async def call(
+        self, command: tuple[Any, ...], load_scripts: Callable[[], Awaitable[None]]
+    ) -> Any:
+        for attempt in (0, 1):
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    return await self._client().execute_command(*command)
+            except NoScriptError:  # a replica promoted since the scripts were loaded
+                if attempt:
+                    raise
+                await load_scripts()
+        raise AssertionError("unreachable")
+
+    async def reset(self) -> None:
+        return None

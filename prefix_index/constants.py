@@ -39,6 +39,9 @@ DEFAULT_ENGINE_CAPACITY_BLOCKS = 1_000_000  # precise mode: engine-reported bloc
 #   <ns>:{<ns>}:scopes            ZSET   sid -> last record (ms, client clock): the scope LRU
 #   <ns>:{<ns>}:sizes             HASH   sid -> entries; "#" -> load (entries + scope costs),
 #                                        "#evicted" -> entries the bound pushed out
+#   <ns>:{<ns>}:epoch             STRING a token, no TTL: gone or changed = Redis lost the index
+#                                        (on a Cluster 16 keys <ns>:{e<i>}:epoch, spread over
+#                                        the slots so every shard holds some; prefix_index/_rebuild.py)
 # With a TTL every key expires (PEXPIRE, refreshed by each write): an abandoned scope, replica
 # or namespace disappears by itself.
 KEY_BLOCK = "b"
@@ -50,6 +53,7 @@ KEY_REPLICA_SCOPES = "rs:"
 KEY_REPLICAS = "replicas"
 KEY_SCOPES = "scopes"
 KEY_SIZES = "sizes"
+KEY_EPOCH = "epoch"
 SIZES_LOAD = "#"
 SIZES_EVICTED = "#evicted"
 
@@ -97,6 +101,10 @@ def scopes_key(namespace: str) -> str:
 
 def sizes_key(namespace: str) -> str:
     return f"{namespace}:{{{namespace}}}:{KEY_SIZES}"
+
+
+def epoch_key(namespace: str, tag: str) -> str:
+    return f"{namespace}:{{{tag}}}:{KEY_EPOCH}"
 
 
 def sid_of_prefix(prefix: bytes) -> str:

@@ -1,6 +1,9 @@
 """The shared prefix index: the memory backend's semantics kept in Redis for many gateways.
 
 One round trip per match (a binary search in Lua); writes batched; an outage degrades, logs once.
+One node, Sentinel or Cluster (prefix_index/redis_client.py opens the URL). A lost index (flush,
+restart or failover to an empty node) is noticed by a marker key and refilled from this
+gateway's journal of recent records (prefix_index/_rebuild.py).
 Bounded like the memory backend: every key expires with the TTL, and a namespace-wide scope
 LRU (kept by the flusher after the writes, off the request path) trims the least recently
 recorded scopes when the entries of all scopes exceed `max_blocks`.
@@ -15,17 +18,22 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio import Redis
+from redis.exceptions import (
+    ClusterDownError,
+    NoPermissionError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from prefix_index import _lua
-from prefix_index._fastlane import FastLane, pack_chain
+from prefix_index._fastlane import ClusterLane, FastLane, Lane, pack_chain
+from prefix_index._rebuild import EpochMarker, Journal
 from prefix_index._writes import Write, WriteQueue
 from prefix_index.base import IndexStats, PrefixIndex
 from prefix_index.constants import (
@@ -44,12 +52,16 @@ from prefix_index.constants import (
     sizes_key,
 )
 from prefix_index.memory import MemoryIndex
+from prefix_index.redis_client import Client, RedisHealth, open_redis, parse_redis_url, redact_url
 
 # Redis memory per (replica, block) entry for `stats()`, measured by bench/index.py on Redis
 # 7.0: about 330-420 B for a block one replica holds, about 100-120 B per further replica.
 REDIS_BYTES_PER_ENTRY = 300
 
-_OUTAGE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+# A Cluster mid-failover answers CLUSTERDOWN / TRYAGAIN or has slots no node serves: an outage
+# too (buffer, answer locally, probe), not a refusal to drop writes over.
+_OUTAGE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError, ClusterDownError,
+           TryAgainError, RedisClusterException)  # fmt: skip
 _SCRIPTS = {
     "match": _lua.MATCH,
     "record": _lua.RECORD,
@@ -86,6 +98,9 @@ class RedisTuning:
     segment_blocks: int = 512  # blocks per record call: bounds how long one call holds Redis
     forget_batch: int = 2_000  # entries one forget call removes (keeps Redis responsive)
     idle_connections: int = 32  # match connections kept open between calls
+    check_s: float = 1.0  # look for the namespace's marker this often (0: never; lost data)
+    journal_writes: int = 4096  # recent records kept to refill a Redis that lost the index...
+    journal_blocks: int = 262_144  # ...and their blocks (8 B each); 0 writes: no journal
 
 
 class RedisIndex(PrefixIndex):
@@ -127,6 +142,7 @@ class RedisIndex(PrefixIndex):
             raise ValueError(f"namespace must be non-empty and without braces, got {namespace!r}")
         self.url = url
         self.namespace = namespace
+        self._target = parse_redis_url(url)  # RedisUrlError (a ValueError) for a bad one
         self._tuning = t = tuning or RedisTuning()
         self._default_capacity = capacity_blocks
         self._capacity: dict[str, int] = {}
@@ -146,10 +162,21 @@ class RedisIndex(PrefixIndex):
         self._carry_entries = 0
         self._next_upkeep = 0
         self._next_sweep = 0
-        self._client: aioredis.Redis | None = None
-        self._lane = FastLane(
-            lambda: self._redis().connection_pool, t.timeout_s, t.idle_connections
+        self._client: Client | None = None
+        self._lane: Lane = (
+            ClusterLane(self._redis, t.timeout_s)
+            if self._target.kind == "cluster"
+            else FastLane(lambda: self._node().connection_pool, t.timeout_s, t.idle_connections)
         )
+        self.health = RedisHealth()
+        self._journal = Journal(t.journal_writes, t.journal_blocks)
+        self._marker = EpochMarker(namespace, cluster=self._target.kind == "cluster")
+        self._watcher: asyncio.Task[None] | None = None
+        # this gateway's newest record, in real seconds (the marker's life is Redis time, not the
+        # injected clock's)
+        self._last_write_at: float | None = None
+        self._master_at: tuple[str, int] | None = None  # Sentinel: where the master was
+        self._retired: set[asyncio.Task[None]] = set()  # clients of a former master, closing
         self._queue = WriteQueue(t.max_pending, t.write_batch, t.write_batch_blocks)
         self._flusher: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
@@ -173,6 +200,7 @@ class RedisIndex(PrefixIndex):
         returns False and starts recovering in the background when Redis is out."""
         try:
             await self._ping()
+            await self._check_marker()
         except _OUTAGE as exc:
             self._went_down(exc)
             return False
@@ -199,7 +227,7 @@ class RedisIndex(PrefixIndex):
             except TimeoutError:
                 pass
         self._closed = True
-        for task in (self._flusher, self._prober):
+        for task in (self._flusher, self._prober, self._watcher):
             if task is not None and not task.done():
                 task.cancel()
                 try:
@@ -210,6 +238,9 @@ class RedisIndex(PrefixIndex):
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        for task in list(self._retired):
+            task.cancel()
+        await asyncio.gather(*self._retired, return_exceptions=True)
         self._queue.resolve_all()
 
     # -- the contract -------------------------------------------------------------------------
@@ -290,13 +321,17 @@ class RedisIndex(PrefixIndex):
         if self._ttl_ms:
             commands.append(("PEXPIRE", scopes_of, self._ttl_ms))
             commands.append(("PEXPIRE", replicas, self._ttl_ms))
-        return Write(commands, blocks=len(hashes))
+        write = Write(commands, blocks=len(hashes))
+        self._journal.add(scope, replica, hashes, write)
+        self._last_write_at = time.monotonic()
+        return write
 
     async def evict(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         if not hashes or self._closed:
             return
         if self._local is not None:
             self._local.evict_now(scope, replica, hashes)
+        self._journal.drop_chain(scope, replica, hashes)
         keys = self._scope_keys(scope)
         command = ("EVALSHA", _SHA["evict"], 1, keys.seq, keys.prefix, self._now_ms(),
                    self._ttl_ms, replica, pack_chain(hashes))  # fmt: skip
@@ -307,6 +342,7 @@ class RedisIndex(PrefixIndex):
             return
         if self._local is not None:
             self._local.forget_now(replica)
+        self._journal.drop_replica(replica)
         await self._write(None, Write([], forget=replica))
 
     def set_capacity(self, replica: str, blocks: int) -> None:
@@ -615,12 +651,15 @@ class RedisIndex(PrefixIndex):
             return
         self._down = True
         self._down_since = time.monotonic()
+        self.health.up = False
+        self.health.outages += 1
+        self.health.last_error = f"{type(exc).__name__}: {exc}"
         self._cache.clear()
         view = "this gateway's own view" if self._local is not None else "zero hits"
         self._log.warning(
             "prefix index: Redis at %s unreachable (%s: %s); answering from %s and buffering "
             "writes until it is back",
-            _redacted(self.url), type(exc).__name__, exc, view,
+            self._target.where, type(exc).__name__, exc, view,
         )  # fmt: skip
         self._queue.resolve_all()
         self._prober = asyncio.get_running_loop().create_task(self._recover())
@@ -631,19 +670,110 @@ class RedisIndex(PrefixIndex):
             await asyncio.sleep(delay)
             try:
                 await self._ping()
-            except (TimeoutError, RedisError, OSError):
+                lost = await self._check_marker(rebuild=False)
+            except (TimeoutError, RedisError, OSError, RedisClusterException):
                 delay = min(delay * 2, self._tuning.retry_s * 10)
                 continue
             await self._lane.reset()
             self._down = False
+            down_s = time.monotonic() - self._down_since
+            self.health.up = True
+            self.health.recoveries += 1
+            self.health.down_s += down_s
             self._log.info(
-                "prefix index: Redis at %s is back after %.1f s; replaying %d buffered writes "
+                "prefix index: %s is back after %.1f s; replaying %d buffered writes "
                 "(%d dropped)",
-                _redacted(self.url), time.monotonic() - self._down_since, len(self._queue),
-                self._queue.dropped,
+                self._target.where, down_s, len(self._queue), self._queue.dropped,
             )  # fmt: skip
+            if lost:
+                self._rebuild()
             self._kick()
             return
+
+    # -- lost data: the marker, and the refill from the journal ---------------------------------
+
+    async def _check_marker(self, rebuild: bool = True) -> bool:
+        """Look at the namespace's marker; True when Redis lost the index since the last look
+        (then, with `rebuild`, refill it)."""
+        last = self._last_write_at
+        age = int((time.monotonic() - last) * 1000) if last is not None else 0
+        live = last is not None and (not self._ttl_ms or age < self._ttl_ms)
+        remaining = self._ttl_ms - age if self._ttl_ms else None
+        async with asyncio.timeout(self._tuning.timeout_s * 4):
+            lost = await self._marker.check(self._redis(), live, remaining)
+        if lost and rebuild:
+            self._rebuild()
+            self._kick()
+        return lost
+
+    def _rebuild(self) -> None:
+        """Queue this gateway's journal again: the scope accounts start over from its replies."""
+        writes = self._journal.replay(self._now_ms())
+        self.health.rebuilds += 1
+        self.health.replayed_writes += len(writes)
+        self._carry.clear()
+        self._carry_entries = 0
+        self._cache.clear()
+        self._generation = {s: g + 1 for s, g in self._generation.items()}
+        self._log.warning(
+            "prefix index: %s lost the index of namespace %r (flushed, restarted or failed over "
+            "to an empty node); re-writing this gateway's %d most recent records (%d blocks)",
+            self._target.where, self.namespace, len(writes), sum(w.blocks for w in writes),
+        )  # fmt: skip
+        for write in writes:
+            self._queue.push(write)
+
+    async def _follow_master(self) -> None:
+        """Sentinel: ask where the master is now. After a switch the old master may accept
+        writes for seconds until the sentinels demote it; this gateway's connections to it are
+        closed here (the pool closes its own idle ones when the address changes)."""
+        client = self._client
+        if self._target.kind != "sentinel" or not isinstance(client, Redis):
+            return
+        pool: Any = client.connection_pool
+        async with asyncio.timeout(self._tuning.timeout_s * 4):
+            address = await pool.get_master_address()
+        seen = {self._master_at} if self._master_at else self._lane_addresses()
+        if seen - {address}:
+            # A connection in use now would go back to the pool still on the old master: a
+            # new client instead; the old one closes once its calls are done.
+            self._log.info(
+                "prefix index: %s moved to %s:%s; reconnecting", self._target.where, *address
+            )
+            self.health.switches += 1
+            self._client = None
+            await self._lane.reset()
+            self._retire(client)
+        self._master_at = address
+
+    def _lane_addresses(self) -> set[tuple[str, int]]:
+        return self._lane.addresses() if isinstance(self._lane, FastLane) else set()
+
+    def _retire(self, client: Client) -> None:
+        async def close() -> None:
+            try:
+                await asyncio.sleep(self._tuning.write_timeout_s)
+            finally:
+                await client.aclose()
+
+        task = asyncio.get_running_loop().create_task(close())
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
+
+    async def _watch(self) -> None:
+        """Every `check_s`: where a Sentinel master is, and the marker (Redis may have lost the
+        index); either also notices an outage when no traffic does."""
+        while not self._closed:
+            await asyncio.sleep(self._tuning.check_s)
+            if self._down or self._closed:
+                continue
+            try:
+                await self._follow_master()
+                await self._check_marker()
+            except _OUTAGE as exc:
+                self._went_down(exc)
+            except RedisError as exc:
+                self._complain("check", exc)
 
     def _complain(self, what: str, exc: Exception) -> None:
         """One line per kind of refusal (OOM, READONLY...): Redis answers, so no outage."""
@@ -654,20 +784,38 @@ class RedisIndex(PrefixIndex):
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _redis(self) -> aioredis.Redis:
+    def _redis(self) -> Client:
         if self._client is None:
-            self._client = aioredis.Redis.from_url(
-                self.url,
+            self._client = open_redis(
+                self._target,
                 socket_timeout=self._tuning.write_timeout_s,
-                socket_connect_timeout=self._tuning.timeout_s,
-                retry=Retry(NoBackoff(), 1),
-                decode_responses=False,
+                connect_timeout=self._tuning.timeout_s,
             )
+            if self._tuning.check_s > 0 and self._watcher is None:
+                self._watcher = asyncio.get_running_loop().create_task(self._watch())
         return self._client
 
+    def _node(self) -> Redis:
+        client = self._redis()
+        assert isinstance(client, Redis)  # a Cluster takes the ClusterLane
+        return client
+
     async def _ping(self) -> None:
+        """Every master answers (one, or each of a Cluster's) and has the scripts. A replica
+        that answers (a demoted master a lagging sentinel still names) is no recovery."""
         async with asyncio.timeout(self._tuning.timeout_s * 4):
-            await self._redis().ping()
+            client = self._redis()
+            if isinstance(client, Redis):
+                await client.ping()
+                try:
+                    role = await client.execute_command("ROLE")  # type: ignore[no-untyped-call]
+                except NoPermissionError:  # an ACL user without ROLE: writes will tell
+                    role = [b"master"]
+                if role[0] != b"master":
+                    await client.connection_pool.disconnect()  # Sentinel: ask again next time
+                    raise RedisConnectionError("a replica answers where the master should")
+            else:
+                await client.execute_command("PING", target_nodes=client.PRIMARIES)
             await self._load_scripts()
 
     async def _load_scripts(self) -> None:
@@ -714,12 +862,4 @@ def _raise_first(replies: list[Any]) -> None:
             raise reply
 
 
-def _redacted(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+_redacted = redact_url  # the URL as logs may show it

@@ -1,4 +1,9 @@
-"""The Redis backend: buckets shared by every gateway process, one script call per decision."""
+"""The Redis backend: buckets shared by every gateway process, one script call per decision.
+
+Any URL prefix_index/redis_client.py opens: one node, Sentinel (the master is found again after a
+failover), Cluster (every rule of one key shares the key's hash tag, so one script call stays in
+one slot; the scripts are loaded on whichever master answers NOSCRIPT).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
-from redis.asyncio import ConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
+
+from prefix_index.redis_client import RedisHealth, open_redis, parse_redis_url
 
 from .base import Clock, Rule, RuleState, Verdict, check_costs, rule_state
 
@@ -85,11 +88,6 @@ return s(v)
 )
 
 
-def _safe_url(url: str) -> str:
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}"
-
-
 class RedisRateLimiter:
     """Buckets in Redis, shared by every gateway process; one script call (one round trip) each.
 
@@ -97,7 +95,8 @@ class RedisRateLimiter:
     vanish. When Redis is unreachable the limiter fails open: it allows, warns once per outage,
     skips Redis for `probe_s`, then probes again and recovers by itself. At most
     `max_connections` calls are in flight; the rest wait their turn in a gate (a queue, not an
-    outage) and skip Redis at once if it went down meanwhile.
+    outage) and skip Redis at once if it went down meanwhile. `health` counts the outages and
+    recoveries (and the time spent failing open).
     """
 
     def __init__(
@@ -111,18 +110,19 @@ class RedisRateLimiter:
         clock: Clock = time.monotonic,
     ) -> None:
         self.namespace = namespace
-        self._where = _safe_url(url)
+        target = parse_redis_url(url)
+        self._where = target.where
         self._timeout_s = timeout_s
         self._probe_s = probe_s
         self._clock = clock
-        pool = ConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
+        self._redis = open_redis(
+            target,
             socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1),
+            connect_timeout=timeout_s,
+            max_connections=max_connections,
         )
-        self._redis = Redis.from_pool(pool)
+        self.health = RedisHealth()
+        self._down_at = 0.0
         self._gate = asyncio.Semaphore(max_connections)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._adjust = self._redis.register_script(_ADJUST)
@@ -172,9 +172,13 @@ class RedisRateLimiter:
             try:
                 async with asyncio.timeout(self._timeout_s * 4):  # connect + one retry, bounded
                     reply = await script(keys=keys, args=args)  # type: ignore[operator]
-            except (RedisError, OSError, TimeoutError) as exc:
+            except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
                 if not self._down:
                     self._down = True
+                    self._down_at = time.monotonic()
+                    self.health.up = False
+                    self.health.outages += 1
+                    self.health.last_error = f"{type(exc).__name__}: {exc}"
                     self._next_probe = self._clock() + self._probe_s
                     log.warning(
                         "rate limit Redis at %s unreachable (%s: %s); allowing requests "
@@ -186,7 +190,15 @@ class RedisRateLimiter:
                 return None
             if probing and self._down:
                 self._down = False
-                log.info("rate limit Redis at %s answers again; limits apply", self._where)
+                down_s = time.monotonic() - self._down_at
+                self.health.up = True
+                self.health.recoveries += 1
+                self.health.down_s += down_s
+                log.info(
+                    "rate limit Redis at %s answers again after %.1f s; limits apply",
+                    self._where,
+                    down_s,
+                )
             return reply  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
