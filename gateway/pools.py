@@ -33,7 +33,7 @@ class Pool:
     def has_capacity(self) -> bool:
         """Some replica can take a request now (admission's gate; synchronous, cheap)."""
         now = time.monotonic()
-        return any(r.inflight < r.max_inflight and r.available(now) for r in self.replicas)
+        return any(r.has_slot() and r.available(now) for r in self.replicas)
 
     def any_available(self) -> bool:
         now = time.monotonic()

@@ -1,4 +1,5 @@
-"""Replica state the router reads: health and circuit breaker, scraped load, the gateway's own counts.
+"""Replica state the router reads: health and circuit breaker, scraped load, the gateway's own counts
+and, with shared load, the other gateways' (`peer_*`, set by gateway/fleet_load.py).
 
 `ReplicaState.view()` turns it into the policies' read-only `ReplicaView`; `ReplicaMonitor` runs the
 per-replica background probe and scrape loops.
@@ -74,6 +75,11 @@ class ReplicaState:
     inflight_prompt_tokens: int = 0
     placed_blocks: int = 0  # blocks new to this replica routed to it, ever (cold placement)
     unrecords: int = 0  # failed dispatches whose unconfirmed blocks left the index
+    # the other gateways' figures for this replica as of the last fleet tick (gateway/fleet_load.py;
+    # 0 when load is not shared): routing and the in-flight cap count own + peers'
+    peer_inflight: int = 0
+    peer_prompt_tokens: int = 0
+    peer_placed_blocks: int = 0
     scraped: LoadSample | None = None
     scraped_at: float = 0.0
     engine_kv: tuple[int, int] | None = None  # (block size, KV tokens) the engine last reported
@@ -144,16 +150,20 @@ class ReplicaState:
             healthy=self.circuit.current(now) != OPEN,
             circuit=self.circuit.state,
             models=self.models,
-            inflight=self.inflight,
-            inflight_prompt_tokens=self.inflight_prompt_tokens,
+            inflight=self.inflight + self.peer_inflight,
+            inflight_prompt_tokens=self.inflight_prompt_tokens + self.peer_prompt_tokens,
             max_inflight=self.max_inflight,
             waiting=None if load is None or load.waiting is None else int(load.waiting),
             running=None if load is None or load.running is None else int(load.running),
             kv_usage=None if load is None else load.kv_usage,
             hit_blocks=hit_blocks,
             ttft_ewma_s=self.ttft_ewma_s,
-            placed_blocks=self.placed_blocks,
+            placed_blocks=self.placed_blocks + self.peer_placed_blocks,
         )
+
+    def has_slot(self) -> bool:
+        """Below `max_inflight` counting every gateway's requests (own + peers' last tick)."""
+        return self.inflight + self.peer_inflight < self.max_inflight
 
     # --- what the proxy reports ------------------------------------------------------------
     def dispatched(self, uncached_prompt_tokens: int, new_blocks: int = 0) -> None:

@@ -21,6 +21,7 @@ from .background import Background
 from .budgets import AnswerBudget, LiveStreams
 from .config import Config, ReplicaConfig
 from .control_client import ControlClient, open_control_client
+from .fleet_load import FleetLoad, start_fleet_load
 from .http_client import HttpClient
 from .kv_subscriber import KvEvents
 from .metrics import Metrics
@@ -28,7 +29,16 @@ from .pools import Pool, Update, apply_updates, replica_states
 from .ratelimit import RateLimiter
 from .replicas import ReplicaState
 from .router import Router
-from .snapshot import Built, Snapshot, build_snapshot, bytes_chunker, close_quietly, open_stores
+from .snapshot import (
+    Built,
+    Snapshot,
+    build_snapshot,
+    bytes_chunker,
+    close_quietly,
+    open_stores,
+    save_index,
+    warm_start,
+)
 from .tenants import TenantDirectory
 from .tracing import Tracing
 from .window import RollingWindow
@@ -50,6 +60,7 @@ class Gateway:
         self._session: ControlClient | None = None  # probes, scrapes, /v1/models
         self._upstream: HttpClient | None = None  # the request path
         self._background: Background | None = None
+        self.fleet: FleetLoad | None = None  # shared load with the fleet's other gateways
         self.metrics.watch_replicas(self.all_replicas)
         self.metrics.watch_admission(lambda: self.current.admission)
         self.metrics.watch_index(lambda: (self.current.index, self.kv_events, self.parity))
@@ -140,6 +151,7 @@ class Gateway:
         built = Built(self.current, [])  # the same snapshot, now with its index and limiter
         await open_stores(built)
         self.current = built.snapshot
+        warm_start(self.current)
         connect_s = max(p.config.timeouts.connect_s for p in self.current.pools.values())
         self._session = open_control_client(connect_s)
         self._upstream = HttpClient(connect_s)
@@ -147,11 +159,15 @@ class Gateway:
             self._session, lambda: self.current, self.set_endpoints, self.fall_back_to_bytes
         )
         self._background.start(self.current)
+        self.fleet = start_fleet_load(lambda: self.current, self.notify_capacity, self.metrics.registry)
 
     async def stop(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.stop()
         if self._background is not None:
             await self._background.stop()
         snap = self.current
+        save_index(snap)
         if snap.index is not None:
             await snap.index.aclose()
         if snap.limiter is not None:

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from prefix_index import PrefixIndex, open_index
+from prefix_index import MemoryIndex, PrefixIndex, open_index
 from prefix_index.chunking import Chunker, make_chunker
+from prefix_index.persist import read_snapshot, write_snapshot
 
 from .admission import Admission
 from .config import Config
@@ -158,6 +159,36 @@ def _open_index(config: Config) -> PrefixIndex:
 
 def _needs_limiter(config: Config) -> bool:
     return any(t.limits.rules() or t.limits.per_model for t in config.tenants)
+
+
+def warm_start(snap: Snapshot) -> None:
+    """Load the memory index's snapshot (`index.snapshot_path`) when there is a fresh one."""
+    path, index = snap.config.index.snapshot_path, snap.index
+    if path is None or not isinstance(index, MemoryIndex):
+        return
+    try:
+        got = read_snapshot(index, path, snap.config.index.snapshot_max_age_s)
+    except (OSError, ValueError) as exc:
+        log.warning("prefix index: snapshot %s not loaded (%s); starting cold", path, exc)
+        return
+    if got is None:
+        log.info("prefix index: no snapshot at %s younger than %.0f s; starting cold", path,
+                 snap.config.index.snapshot_max_age_s)  # fmt: skip
+    else:
+        log.info("prefix index: warm start from %s: %d blocks, written %.1f s ago", path, *got)
+
+
+def save_index(snap: Snapshot) -> None:
+    """Write the memory index to `index.snapshot_path` (at shutdown), if one is set."""
+    path, index = snap.config.index.snapshot_path, snap.index
+    if path is None or not isinstance(index, MemoryIndex):
+        return
+    try:
+        blocks = write_snapshot(index, path)
+    except OSError as exc:
+        log.warning("prefix index: snapshot %s not written (%s)", path, exc)
+        return
+    log.info("prefix index: %d blocks written to %s", blocks, path)
 
 
 async def close_quietly(part: PrefixIndex | RateLimiter, what: str) -> None:

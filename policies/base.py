@@ -11,7 +11,7 @@ count 0), multiplies by the scorer's weight, sums, and hands the totals to the P
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from policies.types import Decision, Outcome, ReplicaView, RoutedRequest
@@ -84,6 +84,21 @@ class Learner(Protocol):
     def observe(self, outcome: Outcome) -> None: ...
 
 
+SharedState = dict[str, list[float]]  # replica name -> the numbers a plugin learned about it
+
+
+@runtime_checkable
+class Shares(Protocol):
+    """A learner whose state the other gateways of a fleet fold into theirs, so that every
+    gateway decides from the same learned figures (the gateway carries them, policies/ does no
+    I/O). `share` gives what this process learned from its own outcomes only; `absorb` takes
+    what each peer shared (the latest of every live peer, the whole set each time)."""
+
+    def share(self) -> SharedState: ...
+
+    def absorb(self, peers: Sequence[Mapping[str, Sequence[float]]]) -> None: ...
+
+
 def learns(plugin: Plugin) -> bool:
     """Whether `plugin` has an `observe` of its own, not the default that does nothing."""
     method = plugin.observe
@@ -109,6 +124,7 @@ class Policy:
         "_keeps",
         "_active",
         "_learners",
+        "_sharers",
     )
 
     def __init__(
@@ -139,6 +155,7 @@ class Policy:
         self.needs_prefix = any(p.needs_prefix for p in asked)
         plugins: tuple[Plugin, ...] = (*self.filters, *(s for s, _ in self.scorers), picker)
         self._learners = tuple(p for p in plugins if learns(p))
+        self._sharers = {p.name: p for p in plugins if isinstance(p, Shares)}
 
     def __repr__(self) -> str:
         weights = ", ".join(f"{s.name}={w:g}" for s, w in self.scorers)
@@ -227,3 +244,13 @@ class Policy:
         """Feed what happened to a routed request to every plugin that learns."""
         for plugin in self._learners:
             plugin.observe(outcome)
+
+    def share(self) -> dict[str, SharedState]:
+        """What the plugins that share learned from this process's outcomes, by plugin name
+        (empty when none shares)."""
+        return {name: p.share() for name, p in self._sharers.items()}
+
+    def absorb(self, peers: Sequence[Mapping[str, Mapping[str, Sequence[float]]]]) -> None:
+        """Fold the other gateways' `share()` in (one mapping per live peer)."""
+        for name, p in self._sharers.items():
+            p.absorb([got for peer in peers if (got := peer.get(name)) is not None])

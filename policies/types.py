@@ -38,9 +38,10 @@ class ReplicaView:
     dataclass's __init__ costs several times more.
 
     `waiting`, `running` and `kv_usage` come from the last `/metrics` scrape and are None when
-    unknown (never scraped, or the scrape is too old): unknown is not idle. `inflight` and
-    `inflight_prompt_tokens` are the gateway's own counts, fresher than any scrape: every dispatch
-    counts at once.
+    unknown (never scraped, or the scrape is too old): unknown is not idle. `inflight`,
+    `inflight_prompt_tokens` and `placed_blocks` are the gateway's counts, fresher than any
+    scrape: every dispatch counts at once. When gateways share their load (`fleet:`) they are
+    this gateway's own plus the other gateways' as of their last tick.
     """
 
     name: str

@@ -11,9 +11,10 @@ import sys
 import time
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate, repeat, takewhile
 from operator import and_
+from typing import NamedTuple
 
 from prefix_index.base import EngineEventSink, IndexStats, PrefixIndex
 from prefix_index.constants import (
@@ -27,6 +28,22 @@ from prefix_index.constants import (
 _NEVER = 0  # expiry value of an entry without TTL
 _INT_BYTES = 36  # a 64-bit hash as a Python int
 _SWEEP_SCOPES = 8  # idle scopes a write may free: more than the one scope a write can add
+
+
+def _left(expiries: Iterable[int], now: int) -> list[int]:
+    """Milliseconds left of each expiry: -1 for none, 0 once expired."""
+    return [-1 if e == _NEVER else max(0, e - now) for e in expiries]
+
+
+class RoutedEntries(NamedTuple):
+    """One replica's routed blocks in one scope, as a snapshot keeps them (see persist.py)."""
+
+    scope: str
+    replica: str
+    hashes: list[int]  # oldest first
+    left_ms: list[int]  # ms each has left; -1: no TTL
+    holes: list[int]
+    holes_left_ms: list[int]
 
 
 class _Scope:
@@ -280,6 +297,57 @@ class MemoryIndex(PrefixIndex, EngineEventSink):
         if lru and expiry != _NEVER:
             st.next_expiry = min(st.next_expiry, next(iter(lru.values())))
         self._settle(scope, st)
+
+    def routed_entries(self) -> Iterator[RoutedEntries]:
+        """Every (scope, replica)'s routed blocks, least recent scope and block first, with the
+        milliseconds each has left (-1: no TTL); its live holes the same way. Engine-reported
+        blocks are left out: the engine's KV events replay them. For `prefix_index.persist`."""
+        now = self._now_ms()
+        for scope, st in self._scopes.items():
+            for replica, lru in st.lru.items():
+                holes = st.holes.get(replica, {})
+                yield RoutedEntries(
+                    scope, replica, list(lru), _left(lru.values(), now), list(holes),
+                    _left(holes.values(), now),
+                )  # fmt: skip
+
+    def restore(self, entries: RoutedEntries) -> int:
+        """Put back what `routed_entries` gave (expired ones dropped, TTLs clipped to this
+        index's); returns the blocks restored. Call in the order they were given."""
+        now = self._now_ms()
+        ttl = self._ttl_ms
+
+        def expiry(left: int) -> int | None:
+            if left < 0:
+                return _NEVER if ttl is None else now + ttl
+            if left == 0:
+                return None
+            return now + left if ttl is None else now + min(left, ttl)
+
+        kept = [(h, e) for h, left in zip(entries.hashes, entries.left_ms, strict=True)
+                if (e := expiry(left)) is not None]  # fmt: skip
+        if not kept:
+            return 0
+        st = self._use(entries.scope, now)
+        bit = 1 << self._slot(entries.replica)
+        lru = st.lru.setdefault(entries.replica, OrderedDict())
+        before = len(lru)
+        table = st.table
+        for h, e in kept:
+            table[h] = table.get(h, 0) | bit
+            lru[h] = e
+            lru.move_to_end(h)
+        holes = {h: e for h, left in zip(entries.holes, entries.holes_left_ms, strict=True)
+                 if (e := expiry(left)) is not None and h not in lru}  # fmt: skip
+        if holes:
+            st.holes.setdefault(entries.replica, {}).update(holes)
+        self._grow(st, len(lru) - before)
+        self._trim(st, entries.replica, lru, bit)
+        first = next(iter(lru.values()), _NEVER)
+        if first != _NEVER:
+            st.next_expiry = min(st.next_expiry, first)
+        self._settle(entries.scope, st)
+        return len(kept)
 
     def evict_now(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         """The replica no longer holds these blocks (a match stops at the first one)."""

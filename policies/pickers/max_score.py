@@ -2,8 +2,11 @@
 
 Near ties: every candidate whose total is within `slack` (10 %) of the best counts as equally
 good; among those the one holding the most of the prompt's blocks wins, then the one with the
-fewest requests, then the one with the fewest blocks placed on it so far, then a seeded random
-pick (reason "tie", or "cold" when no candidate holds any block). So a burst on a new prefix
+fewest requests, then the one with the fewest blocks placed on it so far, then the highest
+rendezvous hash of (the prompt's first block, replica name) (reason "tie", or "cold" when no
+candidate holds any block); a prompt without block hashes falls back to a seeded random pick.
+The rendezvous order is the same in every process, so gateways that share their load (and so
+see the same requests and placed blocks) send a new prefix to the same replica. So a burst on a new prefix
 stays with the replica already counted as holding it while the load scorers see no real
 difference, and new prefixes spread over the fleet's caches even when they arrive one at a time
 on an idle fleet; a replica that is clearly slower or busier still loses.
@@ -18,6 +21,7 @@ than `max_load_gap` requests *and* more than `max_load_ratio` times, rank by loa
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +71,28 @@ class LoadGuard:
         return self.max_load_ratio is None or best_load > self.max_load_ratio * min_load
 
 
+_MASK = (1 << 64) - 1
+_names: dict[str, int] = {}  # replica name -> 64-bit digest (a cache of a pure function)
+
+
+def _digest(name: str) -> int:
+    d = _names.get(name)
+    if d is None:
+        if len(_names) >= 4096:
+            _names.clear()
+        d = _names[name] = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest())
+    return d
+
+
+def rendezvous(first_block: int, name: str) -> float:
+    """A number in [0, 1) that depends only on (block, name), equal in every process: a
+    splitmix64 finalizer over the name's digest xor the block hash; lower sorts first."""
+    z = (_digest(name) ^ first_block) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) / 18446744073709551616.0
+
+
 class MaxScorePicker(Picker):
     name = "max_score"
     needs_prefix = False  # reads hit_blocks only when another plugin had the prompt hashed
@@ -87,16 +113,22 @@ class MaxScorePicker(Picker):
     def pick(
         self, req: RoutedRequest, views: Sequence[ReplicaView], totals: dict[str, float]
     ) -> tuple[list[str], str]:
-        rand = self._rng.random
+        hashes = req.block_hashes
+        if hashes:
+            first = hashes[0]
+            order = [rendezvous(first, v.name) for v in views]
+        else:
+            rand = self._rng.random
+            order = [rand() for _ in views]
         get = totals.get
         best = max(totals.values(), default=0.0)
         floor = best * (1.0 - self.slack)
         # (-total, -hit, load, placed, tiebreak, name); a total within the slack counts as the
-        # best; the random tiebreak makes every key unique
+        # best; the tiebreak (rendezvous, else random) makes every key unique
         keyed = [
             (-(best if (t := get(v.name, 0.0)) >= floor else t), -v.hit_blocks, v.load,
-             v.placed_blocks, rand(), v.name)
-            for v in views
+             v.placed_blocks, o, v.name)
+            for v, o in zip(views, order, strict=True)
         ]  # fmt: skip
         keyed.sort()
         guard = self.guard

@@ -13,15 +13,20 @@ does not look faster than idle ones that were simply not tried yet. `prior_weigh
 observations the prior is worth; `decay` forgets old observations so the fit follows a replica
 whose speed changes.
 
+Across a fleet of gateways (shared load, gateway/fleet_load.py) each gateway shares its own
+decayed sums (`share`) and folds in the others' (`absorb`): the sums add, so every gateway fits
+the same coefficients from all of the fleet's observations (as of the last tick).
+
     scorers:
       ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99}
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
-from policies.base import Scorer
+from policies.base import Scorer, SharedState
 from policies.types import Outcome, ReplicaView, RoutedRequest
 
 _KTOK = 1000.0  # the fit works in thousands of tokens, so the three features have similar scale
@@ -46,6 +51,12 @@ class _Fit:
         for i, term in enumerate((y, u * y, q * y)):
             xy[i] = decay * xy[i] + term
         self.n += 1
+
+    def numbers(self) -> list[float]:
+        return [*self.xx, *self.xy, float(self.n)]
+
+
+_WIDTH = 10  # numbers a shared fit carries: xx (6), xy (3), n
 
 
 def _solve3(m: list[float], v: list[float]) -> tuple[float, float, float] | None:
@@ -90,7 +101,8 @@ class TTFTScorer(Scorer):
         self._prior_weight = float(prior_weight)
         self._decay = float(decay)
         self._coef: dict[str, tuple[float, float, float]] = {}
-        self._fits: dict[str, _Fit] = {}
+        self._fits: dict[str, _Fit] = {}  # this process's own observations
+        self._peer: dict[str, list[float]] = {}  # the other gateways' sums, per replica
         self._pooled = self.prior  # what a replica without observations is predicted with
 
     def coefficients(self, replica: str) -> tuple[float, float, float]:
@@ -129,23 +141,66 @@ class TTFTScorer(Scorer):
         u = max(0, outcome.prompt_tokens - outcome.predicted_hit_tokens) / _KTOK
         q = max(0, outcome.queued_prompt_tokens_at_dispatch) / _KTOK
         fit.add(u, q, y, self._decay)
+        self._coef[outcome.replica] = self._solve(fit, self._peer.get(outcome.replica))
+        self._pool()
+
+    def share(self) -> SharedState:
+        """This process's decayed sums per replica (own observations only)."""
+        return {name: fit.numbers() for name, fit in self._fits.items()}
+
+    def absorb(self, peers: Sequence[Mapping[str, Sequence[float]]]) -> None:
+        """Take the other gateways' sums (each peer's `share`): the coefficients are refitted
+        from own + peers' sums, so every gateway of the fleet predicts alike."""
+        total: dict[str, list[float]] = {}
+        for peer in peers:
+            for name, nums in peer.items():
+                if len(nums) != _WIDTH or not all(math.isfinite(x) for x in nums):
+                    continue  # not a fit this version sends
+                if name not in total and len(total) >= _MAX_REPLICAS:
+                    continue
+                acc = total.get(name)
+                if acc is None:
+                    total[name] = [float(x) for x in nums]
+                else:
+                    for i, x in enumerate(nums):
+                        acc[i] += float(x)
+        if total == self._peer:
+            return
+        self._peer = total
+        self._coef = {
+            name: self._solve(self._fits.get(name), total.get(name))
+            for name in {*self._fits, *total}
+        }
+        self._pool()
+
+    def _pool(self) -> None:
         coef = self._coef
-        coef[outcome.replica] = self._solve(fit)
         n = len(coef)
-        self._pooled = (
-            sum(x[0] for x in coef.values()) / n,
-            sum(x[1] for x in coef.values()) / n,
-            sum(x[2] for x in coef.values()) / n,
+        if not n:
+            self._pooled = self.prior
+            return
+        self._pooled = (  # fsum: the same result in any order, so on every gateway
+            math.fsum(x[0] for x in coef.values()) / n,
+            math.fsum(x[1] for x in coef.values()) / n,
+            math.fsum(x[2] for x in coef.values()) / n,
         )
 
-    def _solve(self, fit: _Fit) -> tuple[float, float, float]:
-        # ridge toward the prior: (X'X + w I) theta = X'y + w theta0
+    def _solve(
+        self, fit: _Fit | None, peer: Sequence[float] | None = None
+    ) -> tuple[float, float, float]:
+        # ridge toward the prior: (X'X + w I) theta = X'y + w theta0, own and peers' sums added
         w, p = self._prior_weight, self._prior_k
-        m = list(fit.xx)
+        m = list(fit.xx) if fit is not None else [0.0] * 6
+        xy = list(fit.xy) if fit is not None else [0.0] * 3
+        if peer is not None:
+            for i in range(6):
+                m[i] += peer[i]
+            for i in range(3):
+                xy[i] += peer[6 + i]
         m[0] += w
         m[3] += w
         m[5] += w
-        v = [fit.xy[0] + w * p[0], fit.xy[1] + w * p[1], fit.xy[2] + w * p[2]]
+        v = [xy[0] + w * p[0], xy[1] + w * p[1], xy[2] + w * p[2]]
         theta = _solve3(m, v) or p
         a, b, c = (max(0.0, x) for x in theta)
         return a, b / _KTOK, c / _KTOK

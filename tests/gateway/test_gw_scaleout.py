@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -9,31 +10,38 @@ import uuid
 from pathlib import Path
 
 import aiohttp
+import redis.asyncio as aioredis
 import yaml
 
+from prefix_index.constants import DEFAULT_NAMESPACE, replica_scopes_key
 from tests.gateway.fake_replica import Upstream
 from tests.support import gateway_process, start_server, wait_ready
 
+REDIS = "redis://127.0.0.1:6379/0"
 PROMPT = "You are a meticulous assistant. " * 40  # ~1.3 KB: 20 blocks of 64 bytes
 
 
 def config(urls: list[str], ns: str) -> dict[str, object]:
     return {
         "pools": {"chat": {"replicas": urls, "policy": "prefix_aware"}},
-        "index": {"backend": "redis", "redis_url": "redis://127.0.0.1:6379/0"},
+        "index": {"backend": "redis", "redis_url": REDIS},
         # a model name unique to this run keeps its index scope apart from other runs in Redis
         "routes": [{"match": {"model": ns}, "pool": "chat"}],
     }
 
 
 async def test_two_processes_route_a_repeated_prefix_to_one_replica(tmp_path: Path) -> None:
+    """The first request's blocks reach Redis in the background: the test waits for them (no
+    fixed sleep), then every later request, through either process, must hit that replica."""
     ups = [Upstream(f"u{i}") for i in range(3)]
     served = [await start_server(u) for u in ups]
     ns = f"model-{uuid.uuid4().hex[:8]}"
     procs = [gateway_process(config([s.url for s in served], ns), tmp_path) for _ in range(2)]
+    names = [f"127.0.0.1:{s.port}" for s in served]
+    redis = aioredis.Redis.from_url(REDIS)
     try:
         for proc, url in procs:
-            await wait_ready(url, proc)
+            await wait_ready(url, proc, timeout_s=60)
         async with aiohttp.ClientSession() as h:
             for i in range(8):
                 body = {
@@ -45,7 +53,14 @@ async def test_two_processes_route_a_repeated_prefix_to_one_replica(tmp_path: Pa
                 }
                 async with h.post(procs[i % 2][1] + "/v1/chat/completions", json=body) as res:
                     assert res.status == 200
+                if i == 0:
+                    held = [replica_scopes_key(DEFAULT_NAMESPACE, n) for n in names]
+                    for _ in range(600):  # up to 30 s on a loaded machine
+                        if await redis.exists(*held):
+                            break
+                        await asyncio.sleep(0.05)
     finally:
+        await redis.aclose()
         for proc, _ in procs:
             proc.send_signal(signal.SIGTERM)
         for proc, _ in procs:

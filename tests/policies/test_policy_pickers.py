@@ -72,17 +72,35 @@ def test_a_prompt_with_a_hit_somewhere_is_not_cold() -> None:
     assert ranked[0] == "a" and reason == "tie"  # within the slack, the block holder wins
 
 
-def test_max_score_full_tie_is_random_but_seeded() -> None:
+def test_max_score_full_tie_without_blocks_is_random_but_seeded() -> None:
     views = [ReplicaView(n) for n in "abcd"]
     totals = dict.fromkeys("abcd", 1.0)
+    req = RoutedRequest("r", "m", "m", "p", 1000, (), 100.0)
 
     def winners(seed: int) -> list[str]:
         picker = MaxScorePicker(rng=random.Random(seed))
-        return [picker.pick(REQ, views, totals)[0][0] for _ in range(400)]
+        return [picker.pick(req, views, totals)[0][0] for _ in range(400)]
 
     assert winners(1) == winners(1)
     assert winners(1) != winners(2)
     counts = Counter(winners(1))
+    assert set(counts) == set("abcd") and min(counts.values()) > 60
+
+
+def test_max_score_full_tie_goes_by_first_block_in_every_process() -> None:
+    """A full tie on a prompt with blocks: the rendezvous hash of its first block decides, so
+    two pickers (two gateways, any seeds) agree, and first blocks spread over the replicas."""
+    views = [ReplicaView(n) for n in "abcd"]
+    totals = dict.fromkeys("abcd", 1.0)
+    a, b = MaxScorePicker(rng=random.Random(1)), MaxScorePicker(rng=random.Random(2))
+    winners = []
+    for first in range(400):
+        req = RoutedRequest("r", "m", "m", "p", 1000, (first * 7919 + 13, 1, 2), 100.0)
+        ranked, reason = a.pick(req, views, totals)
+        assert b.pick(req, views, totals)[0] == ranked  # the whole order, not only the winner
+        assert reason == "cold"
+        winners.append(ranked[0])
+    counts = Counter(winners)
     assert set(counts) == set("abcd") and min(counts.values()) > 60
 
 

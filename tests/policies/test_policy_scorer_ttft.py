@@ -91,3 +91,49 @@ def test_ttft_policy_learns_to_avoid_a_slow_replica() -> None:
     decision = policy.choose(REQ, views)
     assert decision.ranked == ["fast", "slow"]
     assert decision.reason == "ttft"
+
+
+def _outcomes(seed: int, replica: str, per_token: float, n: int) -> list[Outcome]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt, queued = rng.randint(100, 4000), rng.randint(0, 3000)
+        out.append(Outcome(replica, prompt, 0, 0, queued, 0.02 + per_token * (prompt + queued)))
+    return out
+
+
+def test_ttft_gateways_that_share_fit_the_same_coefficients() -> None:
+    """Two gateways see different outcomes; after share/absorb each way they predict alike,
+    and as one scorer that saw every outcome would (the decayed sums add)."""
+    a, b, both = TTFTScorer(decay=1.0), TTFTScorer(decay=1.0), TTFTScorer(decay=1.0)
+    seen_a = _outcomes(1, "r0", 0.001, 30) + _outcomes(2, "r1", 0.0002, 5)
+    seen_b = _outcomes(3, "r0", 0.001, 10) + _outcomes(4, "r2", 0.0005, 20)
+    for o in seen_a:
+        a.observe(o)
+        both.observe(o)
+    for o in seen_b:
+        b.observe(o)
+        both.observe(o)
+    assert a.coefficients("r2") != b.coefficients("r2")
+    a.absorb([b.share()])
+    b.absorb([a.share()])
+    for r in ("r0", "r1", "r2", "never-seen"):
+        assert a.coefficients(r) == pytest.approx(b.coefficients(r), rel=1e-9)
+        assert a.coefficients(r) == pytest.approx(both.coefficients(r), rel=1e-9)
+    assert a.coefficients("r2")[1] == pytest.approx(0.0005, rel=0.1)  # from b alone (prior 0.000125)
+    a.absorb([])  # the peer went away: back to own observations
+    assert a.coefficients("r2") == a.coefficients("never-seen")
+
+
+def test_ttft_absorb_ignores_what_it_cannot_read() -> None:
+    scorer = TTFTScorer()
+    scorer.absorb([{"r0": [1.0, 2.0]}, {"r1": [float("nan")] * 10}])
+    assert scorer.coefficients("r0") == scorer.coefficients("r1") == scorer.prior
+
+
+def test_policy_shares_only_what_its_learners_share() -> None:
+    ttft = build_policy("ttft", seed=0)
+    ttft.observe(Outcome("r0", 1000, 0, 0, 0, 0.2))
+    shared = ttft.share()
+    assert set(shared) == {"ttft"} and set(shared["ttft"]) == {"r0"}
+    assert build_policy("round_robin", seed=0).share() == {}

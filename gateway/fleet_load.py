@@ -1,0 +1,340 @@
+"""Shared load: the gateways of one fleet publish their per-replica in-flight figures and learned
+TTFT sums to Redis and fold the others' into every `ReplicaView`, on one tick off the request path.
+
+One hash per fleet, one field per gateway (docs/scaleout.md):
+
+    kvgw:fleet:{<fleet.name>}:load   HASH   <gateway_id> -> orjson {"s": seq, "t": unix s,
+        "r": {replica url: [in-flight requests, uncached prompt tokens queued, placed blocks]},
+        "l": {pool: {plugin: {replica url: numbers}}}}      (`Policy.share()`, by URL)
+
+A tick is one pipelined round trip (HSET own field, PEXPIRE, HGETALL). A peer whose `seq` has
+not moved for `stale_after_s` (by this gateway's clock, so clock skew does not matter) no longer
+counts; its field is deleted after ten times that. A gateway that stops deletes its own field.
+Redis down: one warning, peers' figures age out as above (own-only load), retried with backoff.
+Replicas are keyed by URL, which names the engine whatever each gateway's config calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import orjson
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+from redis.exceptions import RedisError
+
+from prefix_index import MemoryIndex, PrefixIndex
+from prefix_index.redis_client import Client, open_redis, redact_url
+
+from .config import Config
+from .snapshot import Snapshot
+
+log = logging.getLogger("gateway.fleet")
+
+KEY = "kvgw:fleet:{%s}:load"  # the hash tag keeps the fleet's key in one Cluster slot
+_GONE_FACTOR = 10  # a field unchanged for this many stale_after_s is deleted
+_OUTAGE = (RedisError, OSError, TimeoutError)
+QUIET_TICKS, IDLE_FACTOR = 10, 5  # an idle fleet ticks 5x less often (no figure has moved)
+OK, DOWN, OFF = "ok", "down", "off"
+
+
+def shared_load_enabled(config: Config) -> bool:
+    """`fleet.shared_load`, where null follows the index: on with the redis backend."""
+    on = config.fleet.shared_load
+    return config.index.backend == "redis" if on is None else on
+
+
+def default_gateway_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+class _Peer:
+    __slots__ = ("seq", "changed", "body", "raw")
+
+    def __init__(self, seq: int, changed: float, body: dict[str, Any], raw: bytes) -> None:
+        self.seq, self.changed, self.body, self.raw = seq, changed, body, raw
+
+
+class FleetLoad:
+    """The tick: publish this gateway's figures, read the others', set `ReplicaState.peer_*`
+    and feed the pools' policies the peers' learned state. `status` is ok | down."""
+
+    def __init__(
+        self,
+        config: Config,
+        current: Callable[[], Snapshot],
+        notify: Callable[[str], None],
+        client: Client | None = None,
+    ) -> None:
+        fc = config.fleet
+        self.gateway_id = fc.gateway_id or default_gateway_id()
+        self.key = KEY % fc.name
+        self.interval_s = fc.publish_interval_ms / 1000.0
+        self.stale_after_s = fc.stale_after_s
+        self.timeout_s = max(0.25, 5 * self.interval_s)
+        self._url = fc.redis_url or config.index.redis_url
+        self._client = client
+        self._current = current
+        self._notify = notify
+        self._peers: dict[bytes, _Peer] = {}
+        self._gone: list[bytes] = []  # fields to delete on the next tick
+        self._absorbed: dict[str, list[Any]] = {}  # pool -> what its policy last absorbed
+        self._seq = 0
+        self._published: tuple[Any, Any] | None = None  # what the last publish said
+        self._published_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self.status = OK
+        self.peers = 0  # live peers as of the last tick
+        self.ticks = 0
+        self.errors = 0
+        self.tick_s = 0.0  # wall time spent in ticks, in all
+        self.quiet = 0  # ticks in a row that changed nothing
+        self._moved = False  # this tick parsed a peer's new figures
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="fleet-load")
+
+    async def stop(self) -> None:
+        """Stop ticking and take this gateway's field out, so peers stop counting it at once."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._client is not None:
+            with contextlib.suppress(*_OUTAGE):
+                async with asyncio.timeout(self.timeout_s):
+                    await self._client.hdel(self.key, self.gateway_id)
+            await self._client.aclose()
+            self._client = None
+
+    def redis(self) -> Client:
+        """The client, opened on first use: any URL the index takes (one node, Sentinel,
+        Cluster, TLS; the fleet's one key carries a hash tag)."""
+        if self._client is None:
+            self._client = open_redis(
+                self._url, socket_timeout=self.timeout_s, connect_timeout=self.timeout_s
+            )
+        return self._client
+
+    async def _loop(self) -> None:
+        """Tick every interval; after QUIET_TICKS ticks in which nothing changed (own figures or
+        any peer's), every IDLE_FACTOR intervals until something does; after a failure, back off
+        from 0.5 s to 5 s."""
+        backoff = self.interval_s
+        while True:
+            ok = await self.tick()
+            if not ok:
+                backoff = min(max(backoff * 2, 0.5), 5.0)
+            elif self.quiet >= QUIET_TICKS:  # never past a heartbeat: peers must see it live
+                backoff = max(self.interval_s, min(self.interval_s * IDLE_FACTOR,
+                                                   self.stale_after_s / 4))  # fmt: skip
+            else:
+                backoff = self.interval_s
+            await asyncio.sleep(backoff)
+
+    # --- one tick --------------------------------------------------------------------------------
+    async def tick(self) -> bool:
+        """Publish and read once; False when Redis did not answer (peers then age out)."""
+        t0 = time.perf_counter()
+        snap = self._current()
+        mine = (own_figures(snap), shared_learning(snap))
+        # publish what changed, and a heartbeat a few times per stale_after_s; read every tick
+        publish = (mine != self._published or self.status == DOWN
+                   or t0 - self._published_at >= self.stale_after_s / 4)  # fmt: skip
+        ttl_ms = int(self.stale_after_s * _GONE_FACTOR * 1000)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                replies: list[Any]
+                if not publish and not self._gone:  # a read alone: no pipeline to build
+                    replies = [await self.redis().hgetall(self.key)]
+                else:
+                    pipe = self.redis().pipeline(transaction=False)
+                    if publish:
+                        self._seq += 1
+                        body = {"s": self._seq, "t": time.time(), "r": mine[0], "l": mine[1]}
+                        pipe.hset(self.key, self.gateway_id, orjson.dumps(body))
+                        pipe.pexpire(self.key, ttl_ms)
+                    if self._gone:
+                        pipe.hdel(self.key, *self._gone)
+                    pipe.hgetall(self.key)
+                    replies = await pipe.execute()
+        except _OUTAGE as exc:
+            self.errors += 1
+            if self.status == OK:
+                log.warning(
+                    "fleet %s: shared load unavailable at %s (%s: %s); routing on this "
+                    "gateway's own load until Redis answers",
+                    self.key, redact_url(self._url), type(exc).__name__, exc,
+                )  # fmt: skip
+            self.status = DOWN
+            self._fold(snap, None)
+            self.tick_s += time.perf_counter() - t0
+            return False
+        if self.status == DOWN:
+            log.info("fleet %s: shared load is back", self.key)
+        changed = publish and mine != self._published
+        if publish:
+            self._published, self._published_at = mine, t0
+        self.status = OK
+        self._gone = []
+        self._moved = False
+        self._fold(snap, replies[-1])
+        self.quiet = 0 if changed or self._moved else self.quiet + 1
+        self.ticks += 1
+        self.tick_s += time.perf_counter() - t0
+        return True
+
+    def _fold(self, snap: Snapshot, fields: Mapping[bytes, bytes] | None) -> None:
+        """Update the peers from `fields` (None: Redis did not answer) and set every replica's
+        peer figures to the live peers' sums."""
+        now = time.monotonic()
+        me = self.gateway_id.encode()
+        if fields is not None:
+            seen = {}
+            for field, raw in fields.items():
+                if field == me:
+                    continue
+                peer = self._update(field, raw, now)
+                if peer is not None:
+                    seen[field] = peer
+            self._peers = seen
+        live = [p.body for p in self._peers.values() if now - p.changed <= self.stale_after_s]
+        self._gone = [f for f, p in self._peers.items()
+                      if now - p.changed > self.stale_after_s * _GONE_FACTOR]  # fmt: skip
+        self.peers = len(live)
+        sums: dict[str, list[int]] = {}
+        for body in live:
+            for url, figures in (body.get("r") or {}).items():
+                acc = sums.setdefault(url, [0, 0, 0])
+                for i in range(3):
+                    acc[i] += int(figures[i])
+        for name, pool in snap.pools.items():
+            freed = False
+            for r in pool.replicas:
+                n, tokens, placed = sums.get(r.url, (0, 0, 0))
+                freed = freed or n < r.peer_inflight
+                r.peer_inflight, r.peer_prompt_tokens, r.peer_placed_blocks = n, tokens, placed
+            self._absorb(name, pool, live)
+            if freed:
+                self._notify(name)  # a peer's request ended: a slot may be free under the cap
+
+    def _update(self, field: bytes, raw: bytes, now: float) -> _Peer | None:
+        old = self._peers.get(field)
+        if old is not None and old.raw == raw:
+            return old  # not republished since: nothing to parse
+        try:
+            body = orjson.loads(raw)
+            seq = int(body["s"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return None  # not a field this version writes
+        if old is not None:
+            if old.seq != seq:
+                if body.get("r") != old.body.get("r") or body.get("l") != old.body.get("l"):
+                    self._moved = True  # new figures, not only a heartbeat
+                old.seq, old.changed, old.body, old.raw = seq, now, body, raw
+            return old
+        self._moved = True
+        # first sight: as old as its writer's clock says (a dead gateway's field is not counted)
+        age = max(0.0, time.time() - float(body.get("t") or 0.0))
+        return _Peer(seq, now - age, body, raw)
+
+    def _absorb(self, pool_name: str, pool: Any, live: list[dict[str, Any]]) -> None:
+        """Feed the pool's policy what the live peers learned, translated from URLs to names."""
+        got = [peer for body in live if (peer := (body.get("l") or {}).get(pool_name))]
+        if got == self._absorbed.get(pool_name, []):
+            return
+        self._absorbed[pool_name] = got
+        name_of = {r.url: r.name for r in pool.replicas}
+        pool.policy.absorb(
+            [
+                {
+                    plugin: {name_of[u]: nums for u, nums in by_url.items() if u in name_of}
+                    for plugin, by_url in peer.items()
+                }  # fmt: skip
+                for peer in got
+            ]
+        )
+
+
+def own_figures(snap: Snapshot) -> dict[str, list[int]]:
+    return {r.url: [r.inflight, r.inflight_prompt_tokens, r.placed_blocks] for r in snap.replicas()}
+
+
+def shared_learning(snap: Snapshot) -> dict[str, dict[str, dict[str, list[float]]]]:
+    out = {}
+    for name, pool in snap.pools.items():
+        shared = pool.policy.share()
+        if shared:
+            url = {r.name: r.url for r in pool.replicas}
+            out[name] = {plugin: {url[n]: v for n, v in per.items() if n in url}
+                         for plugin, per in shared.items()}  # fmt: skip
+    return out
+
+
+def start_fleet_load(
+    current: Callable[[], Snapshot], notify: Callable[[str], None], registry: CollectorRegistry
+) -> FleetLoad | None:
+    """The tick for the current config, started, with its metrics registered; None when load is
+    not shared. Settings are read here: a change to `fleet:` takes effect at restart."""
+    config = current().config
+    if not shared_load_enabled(config):
+        return None
+    fleet = FleetLoad(config, current, notify)
+    registry.register(_FleetCollector(fleet, current))
+    fleet.start()
+    return fleet
+
+
+def ready_fields(fleet: FleetLoad | None, index: PrefixIndex | None) -> dict[str, Any]:
+    """What /ready adds: the fleet (live peers; shared load ok | down | off) and the index
+    (ok | down for Redis, memory). Neither turns /ready to 503: with Redis down the gateway
+    still routes, on its own load and its own index writes (fail-open)."""
+    fleet_part = {"peers": 0, "shared_load": OFF} if fleet is None else {
+        "peers": fleet.peers, "shared_load": fleet.status}  # fmt: skip
+    if index is None or isinstance(index, MemoryIndex):
+        state = "memory"
+    else:
+        state = OK if getattr(index, "healthy", True) else DOWN
+    return {"fleet": fleet_part, "index": state}
+
+
+class _FleetCollector(Collector):
+    def __init__(self, fleet: FleetLoad, current: Callable[[], Snapshot]) -> None:
+        self._fleet, self._current = fleet, current
+
+    def collect(self) -> Iterator[Metric]:
+        f = self._fleet
+        yield GaugeMetricFamily(
+            "gateway_fleet_peers", "Other gateways of the fleet whose load this one counts.",
+            value=f.peers,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "gateway_fleet_shared_load_up",
+            "1 while the fleet's shared load answers, 0 while routing on own load only.",
+            value=1.0 if f.status == OK else 0.0,
+        )
+        yield CounterMetricFamily(
+            "gateway_fleet_ticks", "Shared-load ticks (one Redis round trip each).", value=f.ticks
+        )
+        yield CounterMetricFamily(
+            "gateway_fleet_tick_errors", "Shared-load ticks Redis did not answer.", value=f.errors
+        )
+        yield CounterMetricFamily(
+            "gateway_fleet_tick_seconds", "Wall time spent in shared-load ticks.", value=f.tick_s
+        )
+        peer = GaugeMetricFamily(
+            "gateway_fleet_peer_inflight_requests",
+            "Requests the other gateways have in flight on the replica (as of the last tick).",
+            labels=["pool", "replica"],
+        )
+        for r in self._current().replicas():
+            peer.add_metric([r.pool, r.name], r.peer_inflight)
+        yield peer

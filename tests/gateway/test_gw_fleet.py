@@ -1,0 +1,216 @@
+"""Shared load: two real gateway apps on loopback, one real Redis (a fleet name per test), real
+fake replicas. Each sees the other's in-flight requests, stops counting a gateway that vanished,
+enforces max_inflight_per_replica fleet-wide, routes on its own load when Redis is down, and
+sends a new prefix to the same replica as its peer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway import create_app, parse_config
+from gateway.fleet_load import QUIET_TICKS
+from tests.gateway.fake_replica import Upstream
+from tests.support import Served, free_port, poll_until, start_server
+
+REDIS = "redis://127.0.0.1:6379/0"
+STALE_S = 0.6
+
+
+class Peak:
+    """An upstream that counts how many requests it holds at once (the fleet cap's witness)."""
+
+    def __init__(self, up: Upstream) -> None:
+        self.up, self.now, self.peak = up, 0, 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        counted = scope["type"] == "http" and scope["path"].startswith("/v1/")
+        if counted:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+        try:
+            await self.up(scope, receive, send)
+        finally:
+            if counted:
+                self.now -= 1
+
+
+def config(urls: list[str], fleet_name: str, **over: Any) -> dict[str, Any]:
+    pool = {
+        "replicas": [{"url": u, "name": f"r{i}"} for i, u in enumerate(urls)],
+        "policy": "ttft",
+        "health": {"interval_s": 0.2},
+        "scrape": {"enabled": False},
+        **over.pop("pool", {}),
+    }
+    return {
+        "server": {"expose_upstream_errors": True},
+        "pools": {"chat": pool},
+        "fleet": {
+            "shared_load": True,
+            "redis_url": REDIS,
+            "name": fleet_name,
+            "publish_interval_ms": 20,
+            "stale_after_s": STALE_S,
+            **over.pop("fleet", {}),
+        },
+        **over,
+    }
+
+
+@contextlib.asynccontextmanager
+async def fleet_of(
+    n: int, ups: list[Upstream], **over: Any
+) -> AsyncIterator[tuple[list[Any], list[Served], list[Peak]]]:
+    peaks = [Peak(u) for u in ups]
+    served = [await start_server(p) for p in peaks]
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    apps = [create_app(parse_config(config([s.url for s in served], name, **over)))
+            for _ in range(n)]  # fmt: skip
+    gws = [await start_server(app, lifespan="on") for app in apps]
+    try:
+        yield apps, gws, peaks
+    finally:
+        for g in gws:
+            with contextlib.suppress(Exception):
+                await g.stop()
+        for s in served:
+            await s.stop()
+
+
+def body(content: str) -> dict[str, Any]:
+    msgs = [{"role": "user", "content": content}]
+    return {"model": "m", "messages": msgs, "max_tokens": 4, "stream": True}
+
+
+async def post(h: aiohttp.ClientSession, gw: Served, content: str) -> tuple[int, dict[str, Any]]:
+    headers = {"x-gateway-explain": "1"}
+    async with h.post(gw.url + "/v1/chat/completions", json=body(content), headers=headers) as r:
+        await r.read()
+        return r.status, orjson.loads(r.headers.get("x-gateway-decision", "{}"))
+
+
+def peer_inflight(app: Any) -> int:
+    return sum(r.peer_inflight for r in app.gateway.all_replicas())
+
+
+async def test_a_gateway_sees_its_peers_requests_and_their_end() -> None:
+    async with fleet_of(2, [Upstream("u0", delay_s=1.0)]) as (apps, gws, _), aiohttp.ClientSession() as h:
+        await poll_until(lambda: apps[1].gateway.fleet.peers == 1, 5)
+        sent = [asyncio.create_task(post(h, gws[0], f"q{i}")) for i in range(3)]
+        await poll_until(lambda: peer_inflight(apps[1]) == 3, 5)  # within a tick or two
+        r0 = apps[1].gateway.pools["chat"].by_name["r0"]
+        view = r0.view(0, 0.0)
+        assert (r0.inflight, view.inflight) == (0, 3)  # own 0, the view counts the peer's 3
+        assert view.inflight_prompt_tokens > 0
+        async with h.get(gws[1].url + "/ready") as r:
+            ready = await r.json()
+        assert ready["fleet"] == {"peers": 1, "shared_load": "ok"}
+        assert ready["index"] == "memory"
+        assert [s for s, _ in await asyncio.gather(*sent)] == [200] * 3
+        await poll_until(lambda: peer_inflight(apps[1]) == 0, 5)
+        # shared learning: B fits r0 from A's observed TTFTs, to the same coefficients
+        scorer_a, scorer_b = (a.gateway.pools["chat"].policy.scorers[0][0] for a in apps)
+        await poll_until(lambda: scorer_b.coefficients("r0") == scorer_a.coefficients("r0"), 5)
+        assert scorer_a.coefficients("r0") != scorer_a.prior
+        async with h.get(gws[1].url + "/metrics") as r:
+            text = await r.text()
+        assert "gateway_fleet_peers 1.0" in text and "gateway_fleet_shared_load_up 1.0" in text
+
+
+async def test_a_vanished_gateway_stops_counting_within_stale_after() -> None:
+    async with fleet_of(2, [Upstream("u0", delay_s=3.0)]) as (apps, gws, _), aiohttp.ClientSession() as h:
+        sent = [asyncio.create_task(post(h, gws[0], f"q{i}")) for i in range(2)]
+        await poll_until(lambda: peer_inflight(apps[1]) == 2, 5)
+        apps[0].gateway.fleet._task.cancel()  # A stops ticking without a word (a crash)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await poll_until(lambda: peer_inflight(apps[1]) == 0, 5)
+        assert loop.time() - t0 >= STALE_S * 0.25  # it was counted until it went stale
+        assert apps[1].gateway.fleet.peers == 0
+        await asyncio.gather(*sent)
+
+
+async def test_a_gateway_that_stops_leaves_at_once() -> None:
+    async with fleet_of(2, [Upstream("u0")]) as (apps, gws, _):
+        await poll_until(lambda: apps[1].gateway.fleet.peers == 1, 5)
+        await gws[0].stop()  # graceful: deletes its field
+        await poll_until(lambda: apps[1].gateway.fleet.peers == 0, STALE_S)
+
+
+async def test_max_inflight_per_replica_is_fleet_wide() -> None:
+    up = Upstream("u0", delay_s=0.8)
+    pool = {"max_inflight_per_replica": 2}
+    async with fleet_of(2, [up], pool=pool) as (apps, gws, peaks), aiohttp.ClientSession() as h:
+        first = [asyncio.create_task(post(h, gws[0], f"a{i}")) for i in range(2)]
+        await poll_until(lambda: peer_inflight(apps[1]) == 2, 5)
+        late = asyncio.create_task(post(h, gws[1], "b"))  # B must wait: the replica is full
+        await asyncio.sleep(0.3)
+        assert up.calls == 2 and not late.done()
+        got = await asyncio.gather(*first, late)
+    assert [s for s, _ in got] == [200] * 3
+    assert peaks[0].peak == 2  # never 3 on the replica, though each gateway alone had room
+
+
+async def test_redis_down_routes_on_own_load_and_stays_ready() -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    async with fleet_of(1, [Upstream("u0")], fleet={"redis_url": dead}) as (apps, gws, _):
+        await poll_until(lambda: apps[0].gateway.fleet.status == "down", 5)
+        async with aiohttp.ClientSession() as h:
+            assert (await post(h, gws[0], "q"))[0] == 200
+            async with h.get(gws[0].url + "/ready") as r:
+                assert r.status == 200  # fail-open: not a 503
+                assert (await r.json())["fleet"] == {"peers": 0, "shared_load": "down"}
+            async with h.get(gws[0].url + "/metrics") as r:
+                assert "gateway_fleet_shared_load_up 0.0" in await r.text()
+        assert peer_inflight(apps[0]) == 0
+
+
+async def test_a_new_prefix_goes_to_the_same_replica_through_either_gateway() -> None:
+    ups = [Upstream(f"u{i}") for i in range(4)]
+    async with fleet_of(2, ups) as (apps, gws, _), aiohttp.ClientSession() as h:
+        for k in range(8):
+            doc = f"Document {k}: " + "lorem ipsum dolor sit amet " * 20
+            (sa, da), (sb, db) = await asyncio.gather(post(h, gws[0], doc), post(h, gws[1], doc))
+            assert (sa, sb) == (200, 200)
+            assert da["ranked"][0] == db["ranked"][0], (k, da, db)
+            # both views agree again (the peers' placed blocks folded in) before the next one
+            await poll_until(
+                lambda: [r.view(0, 0).placed_blocks for r in apps[0].gateway.all_replicas()]
+                == [r.view(0, 0).placed_blocks for r in apps[1].gateway.all_replicas()],
+                5,
+            )
+        used = sum(1 for u in ups if u.calls)
+        assert used >= 3  # new prefixes still spread over the fleet's caches
+
+
+@pytest.mark.parametrize(
+    ("shared", "backend", "want"),
+    [(None, "memory", "off"), (None, "redis", "ok"), (False, "redis", "off")],
+)
+async def test_shared_load_follows_the_index_unless_set(
+    shared: bool | None, backend: str, want: str
+) -> None:
+    over = {"fleet": {"shared_load": shared}, "index": {"backend": backend, "redis_url": REDIS}}
+    async with fleet_of(1, [Upstream("u0")], **over) as (apps, gws, _):
+        async with aiohttp.ClientSession() as h, h.get(gws[0].url + "/ready") as r:
+            got = await r.json()
+        assert got["fleet"]["shared_load"] in ({want} if want == "off" else {"ok"})
+        assert got["index"] == ("memory" if backend == "memory" else "ok")
+        assert (apps[0].gateway.fleet is None) == (want == "off")
+
+
+async def test_an_idle_fleet_ticks_less_often_and_still_sees_new_load() -> None:
+    async with fleet_of(2, [Upstream("u0", delay_s=1.0)]) as (apps, gws, _), aiohttp.ClientSession() as h:
+        await poll_until(lambda: all(a.gateway.fleet.quiet >= QUIET_TICKS for a in apps), 10)
+        sent = asyncio.create_task(post(h, gws[0], "q"))
+        await poll_until(lambda: peer_inflight(apps[1]) == 1, 5)
+        assert apps[1].gateway.fleet.quiet < QUIET_TICKS  # the change woke it up
+        assert (await sent)[0] == 200
