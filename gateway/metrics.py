@@ -17,45 +17,15 @@ from prometheus_client.registry import Collector
 
 from .admission import Admission
 from .replicas import CLOSED, HALF_OPEN, OPEN, ReplicaState
-from .tallies import CounterTally, HistogramTally, Tallies
+from .tallies import CounterTally, HistogramTally, LabelCap, Tallies
 
 # LLM latencies span milliseconds (a cached short prompt) to minutes (a long generation)
 LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    20,
-    40,
-    80,
-    160,
-    320,
-    640,
-)
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640,
+)  # fmt: skip
 TPOT_BUCKETS = (
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    1.0,
-    2.5,
-)
+    0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+)  # fmt: skip
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 
@@ -64,11 +34,16 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # the model and tenant labels of the request and token counters, each capped at
+        # server.metrics.max_label_values distinct values (the Recorder applies the config's)
+        self.models, self.tenants = LabelCap(100), LabelCap(100)
         self.requests = CounterTally(
             "gateway_requests_total",
             "Requests answered, by pool, replica that answered (none when no replica did), HTTP status "
-            "(499: the client went away first) and priority class.",
-            ["pool", "replica", "status", "priority"],
+            "(499: the client went away first), priority class, model (none without a pool) and "
+            "tenant; model and tenant take at most server.metrics.max_label_values values each, "
+            "later ones read other.",
+            ["pool", "replica", "status", "priority", "model", "tenant"],
         )
         self.duration = HistogramTally(
             "gateway_request_duration_seconds",
@@ -96,13 +71,13 @@ class Metrics:
         )
         self.prompt_tokens = CounterTally(
             "gateway_prompt_tokens_total",
-            "Prompt tokens of answered requests.",
-            ["pool"],
+            "Prompt tokens of answered requests, by pool, model and tenant.",
+            ["pool", "model", "tenant"],
         )
         self.output_tokens = CounterTally(
             "gateway_output_tokens_total",
-            "Output tokens of answered requests (from usage).",
-            ["pool"],
+            "Output tokens of answered requests (from usage), by pool, model and tenant.",
+            ["pool", "model", "tenant"],
         )
         self.observed_prompt_tokens = CounterTally(
             "gateway_observed_prompt_tokens_total",
@@ -158,7 +133,12 @@ class Metrics:
             ["pool", "type"],
         )
 
-        r.register(Tallies([t for t in vars(self).values() if isinstance(t, CounterTally | HistogramTally)]))
+        r.register(
+            Tallies(
+                [t for t in vars(self).values() if isinstance(t, CounterTally | HistogramTally)]
+            )
+        )
+        self._tracing_watched = False
 
     def watch_replicas(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
         self.registry.register(_ReplicaCollector(replicas))
@@ -169,6 +149,44 @@ class Metrics:
     def watch_index(self, state: Callable[[], tuple[Any, Any, dict[str, int]]]) -> None:
         """`state()` gives (index, kv_events or None, token parity by replica)."""
         self.registry.register(_IndexCollector(state))
+
+    def watch_tracing(self, sink: Callable[[], object]) -> None:
+        """`sink()` gives the tracing's span sink (None when tracing is off); once per registry."""
+        if not self._tracing_watched:
+            self._tracing_watched = True
+            self.registry.register(_TracingCollector(sink))
+
+
+class _TracingCollector(Collector):
+    """The OTLP/HTTP exporter's counts (gateway/otlp.py); the families stay empty for the other
+    exporters, whose SDK processor keeps no such counts, and with tracing off."""
+
+    _COUNTERS = (
+        ("exported_spans", "gateway_trace_spans_exported", "Spans the OTLP collector accepted."),
+        ("dropped_spans", "gateway_trace_spans_dropped", "Spans dropped unsent because the export queue was full (OTEL_BSP_MAX_QUEUE_SIZE)."),
+        ("failed_spans", "gateway_trace_spans_failed", "Spans given up: the collector refused them or could not be reached, after the retries that fit."),
+        ("failed_exports", "gateway_trace_export_failures", "Export requests (POSTs of a batch) that failed after their retries."),
+    )  # fmt: skip
+
+    def __init__(self, sink: Callable[[], object]) -> None:
+        self._sink = sink
+
+    def collect(self) -> Iterator[Metric]:
+        from .otlp import OtlpHttpSink
+
+        sink = self._sink()
+        otlp = sink if isinstance(sink, OtlpHttpSink) else None
+        for attr, name, doc in self._COUNTERS:
+            fam = CounterMetricFamily(name, doc, labels=[])
+            if otlp is not None:
+                fam.add_metric([], getattr(otlp, attr))
+            yield fam
+        queued = GaugeMetricFamily(
+            "gateway_trace_export_queue_spans", "Spans waiting to be exported.", labels=[]
+        )
+        if otlp is not None:
+            queued.add_metric([], otlp.queued_spans)
+        yield queued
 
 
 class _IndexCollector(Collector):

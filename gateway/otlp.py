@@ -2,7 +2,8 @@
 
 `OtlpHttpSink.end` runs on the event loop when a sampled request finishes and only queues the
 trace. A background thread takes what is queued, builds each trace's spans (the fixed shape of
-`trace_record.py`: a root and up to four children), encodes them to OTLP protobuf bytes and POSTs one
+`trace_record.py`: a root, up to four segments, one span per upstream attempt), encodes them to
+OTLP protobuf bytes and POSTs one
 `ExportTraceServiceRequest` per batch (resource and scope encoded once). No SDK span objects and
 no protobuf message objects are made; the bytes decode to what the SDK's OTLP exporter sends for
 the same spans. The thread offers the GIL back every few traces, so the event loop never waits
@@ -11,8 +12,9 @@ long for it; its work still counts as the process's CPU, which is why the encodi
 
 Bounded: at most `max_queue` spans wait; beyond that a trace is dropped whole, counted in
 `dropped_spans` and logged (at most one line per 10 s for each kind). Spans a collector refuses
-or never answers are counted in `failed_spans` and logged the same way; no error reaches a
-request.
+or never answers are counted in `failed_spans` (and their POSTs in `failed_exports`) and logged
+the same way; no error reaches a request. The counts are Prometheus metrics
+(`gateway_trace_spans_*_total`, metrics.py).
 
 Environment (read from the `environ` given, normally the process's):
 
@@ -87,6 +89,7 @@ class OtlpHttpSink:
         self.exported_spans = 0
         self.dropped_spans = 0  # the queue was full
         self.failed_spans = 0  # the collector refused them or could not be reached
+        self.failed_exports = 0  # POSTs that failed (after their retries)
         # the event loop appends and counts `_added`; the thread pops and counts `_taken`: each
         # counter has one writer, so the two threads share no lock
         self._queue: collections.deque[RequestTrace] = collections.deque()
@@ -187,6 +190,7 @@ class OtlpHttpSink:
                 self.exported_spans += spans
                 continue
             self.failed_spans += spans
+            self.failed_exports += 1
             self._note("OTLP export of %d spans to %s failed: %s", spans, self.endpoint, error)
             if self._stopping.is_set():  # shutting down and the collector fails: give up the rest
                 rest = self._encoded

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping
+from itertools import islice
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from .trace_record import ROOT_SPAN, SEGMENTS, RequestTrace
+from .trace_record import ROOT_SPAN, SPAN_KINDS, RequestTrace
 
 __all__ = ["SpanEncoder", "encode_resource", "export_request"]
 
@@ -31,6 +32,9 @@ _DOUBLE = struct.Struct("<d").pack
 _STATUS_UNSET = b"\x7a\x00"  # status (15): present and empty, as the SDK's exporter sends it
 _FLAGS_LOCAL = b"\x85\x01" + struct.pack("<I", 0x100)  # flags (16): HAS_IS_REMOTE
 _FLAGS_REMOTE = b"\x85\x01" + struct.pack("<I", 0x300)  # ... | IS_REMOTE (the parent's)
+_TAIL_OK = _STATUS_UNSET + _FLAGS_LOCAL  # an OK local span's last two fields
+_LEN_SPAN = [b"\x12" + _VARINT[n] for n in range(1024)]  # spans (2): tag and length, by length
+_KIND = {"INTERNAL": b"\x30\x01", "SERVER": b"\x30\x02", "CLIENT": b"\x30\x03"}  # kind (6)
 
 
 def _varint(n: int) -> bytes:
@@ -87,6 +91,11 @@ def export_request(resource: bytes, scope: bytes, spans: Iterable[bytes]) -> byt
     return _field(0x0A, resource + scope_spans)
 
 
+def _status_error(description: str) -> bytes:
+    """status (15): Status {message 2, code 3 = ERROR}."""
+    return _field(0x7A, _field(0x12, description.encode()) + b"\x18\x02")
+
+
 class SpanEncoder:
     """A finished `RequestTrace` as its ScopeSpans.spans (2) fields, children first, root last.
 
@@ -98,9 +107,15 @@ class SpanEncoder:
         self.max_attributes = max_attributes
         self.max_value_len = max_value_len
         self._cache: dict[tuple[str, Any], tuple[type, bytes]] = {}
-        # name (5) and kind (6) of each span shape: SERVER = 2, INTERNAL = 1
-        self._root_name = _field(0x2A, ROOT_SPAN.encode()) + b"\x30\x02"
-        self._child_name = {n: _field(0x2A, n.encode()) + b"\x30\x01" for n in SEGMENTS}
+        # a child's whole attribute block, by the mapping's id (attempt spans of the same shape
+        # share one read-only mapping); the mapping is kept, so its id is not reused meanwhile
+        self._blocks: dict[int, tuple[Mapping[str, Any], bytes]] = {}
+        self._groups: dict[tuple[tuple[str, Any], ...], bytes] = {}  # a root's repeating set
+        # name (5) and kind (6) of each span shape
+        self._root_name = _field(0x2A, ROOT_SPAN.encode()) + _KIND["SERVER"]
+        self._child_name = {
+            n: _field(0x2A, n.encode()) + _KIND[k] for n, k in SPAN_KINDS.items() if n != ROOT_SPAN
+        }
 
     def encode(self, rt: RequestTrace) -> bytes:
         head = b"\x0a\x10" + rt.tid.to_bytes(16, "big")  # trace_id (1)
@@ -110,20 +125,17 @@ class SpanEncoder:
         names = self._child_name
         pre = head + b"\x12\x08"  # then span_id (2)
         mid = state + b"\x22\x08" + root_id  # parent_span_id (4)
-        out = []
-        for name, span_id, start, end in rt.segments:
-            body = b"".join(
-                (
-                    pre,
-                    span_id.to_bytes(8, "big"),
-                    mid,
-                    names.get(name) or _field(0x2A, name.encode()) + b"\x30\x01",
-                    _TIMES(0x39, start, 0x41, end),
-                    _STATUS_UNSET,
-                    _FLAGS_LOCAL,
-                )
-            )
-            out.append(b"\x12" + _VARINT[len(body)] + body)
+        base = len(pre) + 8 + len(mid) + 18  # span id, and the two times: 18 bytes
+        out: list[bytes] = []
+        add = out.extend
+        for name, span_id, start, end, attrs, error in rt.segments:
+            kind = names.get(name) or _field(0x2A, name.encode()) + _KIND["INTERNAL"]
+            block = self._block(attrs) if attrs else b""
+            tail = _TAIL_OK if error is None else _status_error(error) + _FLAGS_LOCAL
+            n = base + len(kind) + len(block) + len(tail)
+            # one spans (2) field per child, its bytes gathered into one join with the others'
+            add((_LEN_SPAN[n] if n < 1024 else b"\x12" + _varint(n), pre,
+                 span_id.to_bytes(8, "big"), mid, kind, _TIMES(0x39, start, 0x41, end), block, tail))  # fmt: skip
         parent = rt.parent
         body = b"".join(
             (
@@ -133,24 +145,50 @@ class SpanEncoder:
                 b"\x22\x08" + parent.span_id.to_bytes(8, "big") if parent is not None else b"",
                 self._root_name,
                 _TIMES(0x39, rt.start_ns, 0x41, rt.end_ns),
-                self.attributes(rt.attributes),
-                _field(0x7A, _field(0x12, rt.error.encode()) + b"\x18\x02")
-                if rt.error is not None
-                else _STATUS_UNSET,
+                self.attributes(rt.attributes, rt.repeat),
+                _STATUS_UNSET if rt.error is None else _status_error(rt.error),
                 _FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL,
             )
         )
         out.append(_field(0x12, body))
         return b"".join(out)
 
-    def attributes(self, attrs: Mapping[str, Any]) -> bytes:
-        """Span.attributes (9) fields, and dropped_attributes_count (10) past the count limit."""
+    def _block(self, attrs: Mapping[str, Any]) -> bytes:
+        """A child's attributes, encoded once per mapping object."""
+        hit = self._blocks.get(id(attrs))
+        if hit is not None and hit[0] is attrs:
+            return hit[1]
+        block = self.attributes(attrs)
+        if len(self._blocks) >= _CACHE_MAX:
+            self._blocks.clear()
+        self._blocks[id(attrs)] = (attrs, block)
+        return block
+
+    def attributes(self, attrs: Mapping[str, Any], repeat: int = 0) -> bytes:
+        """Span.attributes (9) fields, and dropped_attributes_count (10) past the count limit.
+
+        The first `repeat` attributes repeat from request to request as a set: they are encoded
+        as one cached block (their producer names only str, int and str-tuple values there).
+        """
         items: Iterable[tuple[str, Any]] = attrs.items()
         dropped = len(attrs) - self.max_attributes
+        parts = []
         if dropped > 0:  # as the SDK's BoundedAttributes: the latest ones are kept
             items = list(items)[dropped:]
+        elif repeat:
+            it = iter(items)
+            key = tuple(islice(it, repeat))
+            try:
+                block = self._groups.get(key)
+            except TypeError:  # an unhashable value: each attribute on its own
+                block = self.attributes(dict(key))
+            if block is None:
+                if len(self._groups) >= _CACHE_MAX:
+                    self._groups.clear()
+                block = self._groups[key] = self.attributes(dict(key))
+            parts.append(block)
+            items = it
         cache, max_len = self._cache, self.max_value_len
-        parts = []
         for item in items:
             # (name, value) is the key; the value's type is checked as 1 == 1.0 == True
             try:

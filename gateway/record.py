@@ -39,6 +39,7 @@ class Record:
     tenant: str = "anonymous"
     model: str = ""
     stream: bool = False
+    path: str = ""  # the client's request path; empty: the upstream path (the same) stands in
     priority: str = ""
     pool: str = "none"
     prompt_tokens: int = 0
@@ -89,6 +90,8 @@ class Record:
 class Recorder:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self._labels_of = -1  # the snapshot whose server.metrics the label caps follow
+        gateway.metrics.watch_tracing(lambda: gateway.tracing.sink)
 
     def decision(self, pool: Pool, routing: Routing, decision: Decision) -> None:
         m = self.gw.metrics
@@ -112,6 +115,9 @@ class Recorder:
         m = self.gw.metrics
         now = time.perf_counter_ns()
         sent = rec.sent
+        if snap.version != self._labels_of:
+            self._labels_of = snap.version
+            m.models.limit = m.tenants.limit = snap.config.server.metrics.max_label_values
         status = rec.status or sent.status
         if rec.outcome == "ok" and sent.outcome != "ok":
             rec.outcome, rec.error_type = sent.outcome, sent.error_type
@@ -119,7 +125,11 @@ class Recorder:
             m.errors.labels(rec.pool, rec.error_type).inc()
         pool, replica = rec.pool, sent.replica
         e2e = (now - rec.t_in) / 1e9
-        m.requests.labels(pool, replica, str(status or 499), rec.priority or "none").inc()
+        # a model that matched no route is the client's word only: it takes no label value
+        model = m.models(rec.model[:128]) if pool != "none" else "none"
+        tenant = m.tenants(rec.tenant)
+        priority = rec.priority or "none"
+        m.requests.labels(pool, replica, str(status or 499), priority, model, tenant).inc()
         m.duration.labels(pool).observe(e2e)
         served = replica != "none" and status == 200
         ttft = tpot = None
@@ -134,9 +144,9 @@ class Recorder:
                     tpot = (sent.t_last - sent.t_first) / 1e9 / (out - 1)
                     m.tpot.labels(pool, replica).observe(tpot)
             m.prompt_length.labels(pool).observe(prompt)
-            m.prompt_tokens.labels(pool).inc(prompt)
+            m.prompt_tokens.labels(pool, model, tenant).inc(prompt)
             if sent.output_tokens:
-                m.output_tokens.labels(pool).inc(sent.output_tokens)
+                m.output_tokens.labels(pool, model, tenant).inc(sent.output_tokens)
             if rec.prompt_blocks:
                 m.prompt_blocks.labels(pool).inc(rec.prompt_blocks)
                 m.predicted_hit_blocks.labels(pool).inc(rec.predicted_hit_blocks)
@@ -211,60 +221,77 @@ def _finish_trace(rec: Record, tr: RequestTrace, status: int, now: int) -> None:
     # hash + match run before the admission queue, choose after it (in stage attributes)
     route = (rec.t_route + o, rec.t_queue + o) if rec.t_queue else None
     queue = (rec.t_queue + o, rec.t_admitted + o) if rec.t_admitted else None
-    prefill = (sent.t_sent + o, sent.t_first + o) if sent.t_first else None
-    streamed = rec.stream and sent.t_last and sent.t_first
-    decode = (sent.t_first + o, sent.t_last + o) if streamed else None
+    prefill = decode = generate = None
+    if sent.t_first:  # a replica answered: its segments start when that attempt was sent
+        begin = (sent.attempts[-1][2] if sent.attempts else sent.t_sent) + o
+        if rec.stream:
+            prefill = (begin, sent.t_first + o)
+            decode = (sent.t_first + o, sent.t_last + o) if sent.t_last else None
+        else:  # the first token is not seen: one segment, and no TTFT
+            generate = (begin, (sent.t_last or now) + o)
     # the values now; they are named when the spans are built (the export thread, for OTLP/HTTP)
     v = (
         rec.model, rec.tenant, rec.pool, rec.prompt_tokens, rec.prompt_blocks,
         rec.predicted_hit_blocks, tuple(sent.tried), rec.outcome, rec.priority, sent.replica,
         rec.policy, rec.reason, rec.snapshot, rec.stages if rec.t_routed else None,
-        sent.input_tokens, sent.output_tokens, status,
+        sent.input_tokens, sent.output_tokens, status, rec.path or sent.path, sent.method,
     )  # fmt: skip
 
-    def named() -> dict[str, object]:  # refers to no Record or RequestTrace (no cycle)
+    def named() -> tuple[dict[str, object], dict[str, object]]:  # no Record or RequestTrace in it
         (model, tenant, pool, prompt_tokens, blocks, hit_blocks, tried, outcome, priority,
-         replica, policy, reason, version, stages, input_tokens, output_tokens, code) = v  # fmt: skip
+         replica, policy, reason, version, stages, input_tokens, output_tokens, code, path,
+         method) = v  # fmt: skip
         a = RequestTrace.NAMES
-        out: dict[str, object] = {
+        # what repeats from request to request first (the encoder caches it as one block)
+        same: dict[str, object] = {
             a["model"]: model,
             a["tenant"]: tenant,
             a["pool"]: pool,
+            a["retries"]: max(0, len(tried) - 1),
+            a["outcome"]: outcome,
+            a["method"]: "POST" if method == b"POST" else method.decode(),
+            a["url_scheme"]: "http",
+        }
+        if path:  # the proxied routes are fixed paths: the route is the path
+            same[a["url_path"]] = same[a["route"]] = (
+                path if isinstance(path, str) else path.decode()
+            )
+        if priority:
+            same[a["priority"]] = priority
+        if replica != "none":
+            same[a["replica"]] = replica
+        if policy:
+            same[a["policy"]] = policy
+        if reason:
+            same[a["route_reason"]] = reason
+        if version:
+            same[a["config_version"]] = version
+        if tried:
+            same[a["replicas_tried"]] = tried
+        if code:
+            same[a["status_code"]] = code
+        measured: dict[str, object] = {
             a["prompt_tokens_estimated"]: prompt_tokens,
             a["prompt_blocks"]: blocks,
             a["predicted_cached_blocks"]: hit_blocks,
-            a["retries"]: max(0, len(tried) - 1),
-            a["outcome"]: outcome,
         }
-        if priority:
-            out[a["priority"]] = priority
-        if replica != "none":
-            out[a["replica"]] = replica
-        if policy:
-            out[a["policy"]] = policy
-        if reason:
-            out[a["route_reason"]] = reason
-        if version:
-            out[a["config_version"]] = version
         if stages is not None:
-            out[a["route_hash_us"]] = stages[0] // 1000
-            out[a["route_match_us"]] = stages[1] // 1000
-            out[a["route_choose_us"]] = stages[2] // 1000
+            measured[a["route_hash_us"]] = stages[0] // 1000
+            measured[a["route_match_us"]] = stages[1] // 1000
+            measured[a["route_choose_us"]] = stages[2] // 1000
         if input_tokens is not None:
-            out[a["input_tokens"]] = input_tokens
+            measured[a["input_tokens"]] = input_tokens
         if output_tokens is not None:
-            out[a["output_tokens"]] = output_tokens
-        if tried:
-            out[a["replicas_tried"]] = tried
-        if code:
-            out[a["status_code"]] = code
-        return out
+            measured[a["output_tokens"]] = output_tokens
+        return same, measured
 
     tr.finish(
         queue=queue,
         route=route,
         prefill=prefill,
         decode=decode,
+        generate=generate,
+        attempts=sent.attempts,
         end_ns=now + o,
         named=named,
         error_type=rec.error_type if rec.outcome != "ok" else None,

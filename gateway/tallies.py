@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["CounterTally", "HistogramTally", "Tallies"]
+__all__ = ["OTHER", "CounterTally", "HistogramTally", "LabelCap", "Tallies"]
 
 Labels = tuple[str, ...]
 
@@ -108,6 +108,30 @@ class HistogramTally(_Tally[_Hist]):
                 buckets.append((le, cumulative))
             fam.add_metric(list(values), buckets, child.sum)
         return fam
+
+
+OTHER = "other"
+
+
+class LabelCap:
+    """The values one label may take: the first `limit` distinct ones as they are, every later one
+    as `other`, so a label whose values clients choose (a model name) keeps a bounded series count.
+    Lowering `limit` folds only values not seen yet; the ones kept keep their series."""
+
+    __slots__ = ("limit", "kept")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept: dict[str, str] = {}
+
+    def __call__(self, value: str) -> str:
+        got = self.kept.get(value)
+        if got is not None:
+            return got
+        if len(self.kept) >= self.limit:
+            return OTHER
+        self.kept[value] = value
+        return value
 
 
 class Tallies(Collector):

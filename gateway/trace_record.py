@@ -8,34 +8,67 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from opentelemetry.trace import SpanContext, TraceState
 
-__all__ = ["ATTRIBUTES", "ROOT_SPAN", "SCOPE_NAME", "SEGMENTS", "RequestTrace", "SpanSink"]
+from .trace_http import ATTEMPT_ATTRIBUTES, ATTEMPT_SPAN, attempt_spans, http_server
+
+__all__ = [
+    "ATTEMPT_ATTRIBUTES",
+    "ATTEMPT_SPAN",
+    "ATTRIBUTES",
+    "ROOT_SPAN",
+    "SCOPE_NAME",
+    "SEGMENTS",
+    "SPAN_KINDS",
+    "TYPES",
+    "Child",
+    "RequestTrace",
+    "SpanSink",
+]
 
 _getrandbits = random.getrandbits  # what the SDK's RandomIdGenerator uses
 
 Segment = tuple[int, int]
-# what RequestTrace.finish was given: route, queue, prefill, decode, end_ns, named, error_type
+# an upstream attempt as `Forwarded.attempts` holds it (perf_counter_ns stamps): replica, its URL,
+# start, end (0: the answer's end), status (0: none), failover outcome (None: this one answered)
+Attempt = tuple[str, str, int, int, int, "str | None"]
+# a child span once built: name, span id, start, end (epoch ns), attributes, error type or None
+Child = tuple[str, int, int, int, "Mapping[str, Any]", "str | None"]
+# root attributes by name; or a pair: those that repeat from request to request, the measured
+Named = Mapping[str, Any] | tuple[Mapping[str, Any], Mapping[str, Any]]
+# what RequestTrace.finish was given
 _Given = tuple[
-    Segment | None,
-    Segment | None,
-    Segment | None,
-    Segment | None,
+    "tuple[Segment | None, ...]",
+    "Sequence[Attempt]",
     int,
-    "Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None",
+    "Named | Callable[[], Named] | None",
     str | None,
 ]
 
 ROOT_SPAN = "gateway.request"
 SCOPE_NAME = "gateway"
-# the child spans of the root, in the order a request passes through them: the route span is hash
-# + index match, before the admission queue; the policy's choice (microseconds) ends the queue
-SEGMENTS = ("gateway.route", "gateway.queue", "upstream.prefill", "upstream.decode")
+# the child spans of the root that follow each other, in the order a request passes through them:
+# the route span is hash + index match, before the admission queue; the policy's choice
+# (microseconds) ends the queue. A streamed answer has prefill + decode; a non-streamed one
+# has generate instead (the gateway cannot see its first token).
+SEGMENTS = (
+    "gateway.route",
+    "gateway.queue",
+    "upstream.prefill",
+    "upstream.decode",
+    "upstream.generate",
+)
+SPAN_KINDS: dict[str, str] = {
+    ROOT_SPAN: "SERVER",
+    **dict.fromkeys(SEGMENTS, "INTERNAL"),
+    ATTEMPT_SPAN: "CLIENT",  # one per attempt on the wire, overlapping the upstream segments
+}
 
-# keyword of RequestTrace.set / key of finish(attrs=...) → span attribute name
+# keyword of RequestTrace.set / key of finish(attrs=...) → root span attribute name
 ATTRIBUTES: dict[str, str] = {
     "tenant": "gateway.tenant",
     "priority": "gateway.priority",
@@ -60,11 +93,45 @@ ATTRIBUTES: dict[str, str] = {
     "outcome": "gateway.outcome",
     "error_type": "error.type",
     "status_code": "http.response.status_code",
+    # HTTP server span semantic conventions (stable)
+    "method": "http.request.method",
+    "url_path": "url.path",
+    "url_scheme": "url.scheme",
+    "route": "http.route",
+    "server_address": "server.address",
+    "server_port": "server.port",
+    "user_agent": "user_agent.original",
 }
-_ROUTE, _QUEUE, _PREFILL, _DECODE = SEGMENTS
+# the type of every root and attempt attribute, as docs/tracing.md states it (a test holds the
+# two together)
+TYPES: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "gateway.tenant", "gateway.priority", "gen_ai.request.model", "gateway.pool",
+            "gateway.replica", "gateway.policy", "gateway.route.reason", "gateway.outcome",
+            "error.type", "http.request.method", "url.path", "url.scheme", "http.route",
+            "server.address", "user_agent.original", "url.full",
+        ),
+        "string",
+    ),
+    **dict.fromkeys(
+        (
+            "gateway.config.version", "gen_ai.usage.input_tokens",
+            "gateway.prompt_tokens.estimated", "gateway.prefix.predicted_cached_blocks",
+            "gateway.route.hash_us", "gateway.route.match_us", "gateway.route.choose_us",
+            "gateway.prefix.prompt_blocks", "gen_ai.usage.output_tokens", "gateway.retries",
+            "http.response.status_code", "server.port", "http.request.resend_count",
+        ),
+        "int",
+    ),
+    "gateway.ttft_s": "float",
+    "gateway.tpot_s": "float",
+    "gateway.replicas_tried": "string[]",
+}  # fmt: skip
 _TTFT, _TPOT = ATTRIBUTES["ttft_s"], ATTRIBUTES["tpot_s"]
 _OUTPUT, _OUTCOME = ATTRIBUTES["output_tokens"], ATTRIBUTES["outcome"]
 _STATUS, _ERROR_TYPE = ATTRIBUTES["status_code"], ATTRIBUTES["error_type"]
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 class SpanSink(Protocol):
@@ -83,8 +150,9 @@ class RequestTrace:
 
     `tid` and `sid` are the trace's and the root span's ids (ints). `finish` only keeps what it
     is given and passes the trace to the sink; `build` (the sink calls it, on the export thread
-    for OTLP/HTTP) turns that into `segments` (name, span id, start, end) of the child spans,
-    the root's `attributes`, its `error` status and `end_ns`.
+    for OTLP/HTTP) turns that into `segments`, the child spans (`Child`: the sequential segments,
+    then one `upstream.attempt` per attempt), the root's `attributes`, its `error` status and
+    `end_ns`.
     """
 
     NAMES = ATTRIBUTES  # keyword → span attribute name
@@ -105,6 +173,9 @@ class RequestTrace:
         "segments",
         "attributes",
         "error",
+        "host",
+        "agent",
+        "repeat",
     )
 
     def __init__(
@@ -116,6 +187,8 @@ class RequestTrace:
         trace_state: TraceState | None,
         sampled: bool,
         start_ns: int,
+        host: bytes | None = None,
+        agent: bytes | None = None,
     ) -> None:
         self._sink = sink
         self._offset = time.time_ns() - time.perf_counter_ns()
@@ -128,10 +201,15 @@ class RequestTrace:
         self.sampled = sampled
         self.start_ns = start_ns
         self.end_ns = start_ns
-        self.spans = 1  # how many spans `finish` was given: the root and its segments
-        self.segments: list[tuple[str, int, int, int]] = []
+        self.spans = 1  # how many spans `finish` was given: the root and its children
+        self.segments: list[Child] = []
         self.attributes: dict[str, Any] = {}
         self.error: str | None = None
+        self.host = host  # the request's Host and User-Agent headers, named when built
+        self.agent = agent
+        # how many leading `attributes` repeat from request to request as a set (a request's
+        # names: model, tenant, pool, replica, status...), which an encoder may cache as one
+        self.repeat = 0
 
     @property
     def trace_id(self) -> str:
@@ -166,18 +244,25 @@ class RequestTrace:
         route: Segment | None = None,
         prefill: Segment | None = None,
         decode: Segment | None = None,
+        generate: Segment | None = None,
+        attempts: Sequence[Attempt] = (),
         end_ns: int,
         attrs: Mapping[str, Any] | None = None,
-        named: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
+        named: Named | Callable[[], Named] | None = None,
         error_type: str | None = None,
     ) -> None:
-        """End the trace: the given segments (epoch ns) become child spans, in order.
+        """End the trace: the given segments (epoch ns) become child spans, in order, and each
+        of `attempts` an `upstream.attempt` span.
 
         `attrs` are root attributes as in `set` (checked now); `named` are more, by span
         attribute name and without None values, or a function that returns them when the spans
-        are built (the request path's form: nothing is named on the event loop). A segment that
+        are built (the request path's form: nothing is named on the event loop); as a pair, the
+        attributes that repeat from request to request, then the measured ones. A segment that
         starts before the previous one ended is moved up to that end, so the segments never
-        overlap; `gateway.ttft_s` and `gateway.tpot_s` are derived when not given.
+        overlap; `gateway.ttft_s` (from `prefill` only: a non-streamed answer's first token is
+        not seen) and `gateway.tpot_s` (from `decode`) are derived when not given. `attempts`
+        are as `Forwarded.attempts` holds them (perf_counter_ns stamps, turned into epoch ns on
+        this trace's clock offset when built).
         """
         if self._done:
             return
@@ -186,8 +271,9 @@ class RequestTrace:
             return
         if attrs:
             self.attributes.update(_names(attrs))
-        self._given = (route, queue, prefill, decode, end_ns, named, error_type)
-        self.spans = 1 + sum(seg is not None for seg in (route, queue, prefill, decode))
+        segments = (route, queue, prefill, decode, generate)
+        self._given = (segments, attempts, end_ns, named, error_type)
+        self.spans = 1 + len(attempts) + 5 - segments.count(None)
         self._sink.end(self)
 
     def build(self) -> None:
@@ -195,35 +281,49 @@ class RequestTrace:
         given, self._given = self._given, None
         if given is None:
             return
-        route, queue, prefill, decode, end_ns, named, error_type = given
+        segs, attempts, end_ns, named, error_type = given
         values = self.attributes
-        if named:
-            values.update(named() if callable(named) else named)
-        segments = self.segments
+        fresh = not values
+        got = (named() if callable(named) else named) if named else _EMPTY
+        repeat, measured = got if isinstance(got, tuple) else (got, None)
+        values.update(repeat)
+        if self.host is not None or self.agent is not None:
+            http_server(values, self.host, self.agent)
+        if measured is not None:
+            if fresh:
+                self.repeat = len(values)
+            values.update(measured)
+        children = self.segments
         start = prev = self.start_ns
-        for name, seg in ((_ROUTE, route), (_QUEUE, queue), (_PREFILL, prefill), (_DECODE, decode)):
+        for name, seg in zip(SEGMENTS, segs):  # noqa: B905 - both have five
             if seg is not None:
                 s = seg[0] if seg[0] > prev else prev
                 prev = seg[1] if seg[1] > s else s
-                segments.append((name, _getrandbits(64) or 1, s, prev))
+                children.append((name, _getrandbits(64) or 1, s, prev, _EMPTY, None))
+        prefill, decode = segs[2], segs[3]
         if prefill is not None and _TTFT not in values:
             values[_TTFT] = (max(prefill[1], start) - start) / 1e9
         if decode is not None and _TPOT not in values:
             out = values.get(_OUTPUT)
             if isinstance(out, int) and out > 1:
                 values[_TPOT] = max(decode[1] - decode[0], 0) / 1e9 / (out - 1)
+        end = max(end_ns, prev)
+        if attempts:
+            attempt_spans(children, attempts, values, self._offset, start, prev, end)
+        status = values.get(_STATUS)
         if error_type is None:
-            status = values.get(_STATUS)
             # HTTP semantic conventions: a 5xx is an error of a server span, error.type its code
             if isinstance(status, int) and status >= 500:
                 error_type = str(status)
         if error_type is not None:
             values[_ERROR_TYPE] = error_type
             values.setdefault(_OUTCOME, "error")
-            self.error = error_type
+            # ... and a 4xx answered leaves a server span's status unset (the client's error)
+            if not (isinstance(status, int) and 400 <= status < 500):
+                self.error = error_type
         else:
             values.setdefault(_OUTCOME, "ok")
-        self.end_ns = max(end_ns, prev)
+        self.end_ns = end
 
 
 def _names(attrs: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import importlib.metadata
 import logging
 import os
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -32,6 +33,8 @@ from opentelemetry.trace import SpanContext, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .trace_record import (
+    ATTEMPT_ATTRIBUTES,
+    ATTEMPT_SPAN,
     ATTRIBUTES,
     ROOT_SPAN,
     SCOPE_NAME,
@@ -51,6 +54,8 @@ from .tracing_config import (
 from .tracing_sdk import SdkSpans
 
 __all__ = [
+    "ATTEMPT_ATTRIBUTES",
+    "ATTEMPT_SPAN",
     "ATTRIBUTES",
     "SEGMENTS",
     "RequestTrace",
@@ -96,6 +101,14 @@ class Tracing:
         elif (built := build_exporter(self.settings)) is not None:
             self.sink = SdkSpans(BatchSpanProcessor(built), resource, scope)
         self.enabled = self.sink is not None
+        if self.enabled:
+            log.info(
+                "tracing on: exporter %s, endpoint %s, sampler %s, service.name %s",
+                type(exporter).__name__ if exporter is not None else self.settings.exporter,
+                _safe_url(self.settings.endpoint) if exporter is None else "-",
+                self.settings.sampler.get_description(),
+                self.settings.service_name,
+            )
         self._sampler = self.settings.sampler
         self._root_bound = self.settings.root_bound
         self._propagator = TraceContextTextMapPropagator()
@@ -109,8 +122,9 @@ class Tracing:
             trace_id = _getrandbits(128) or 1
             sampled = trace_id & _LOW64 < self._root_bound
             return RequestTrace(
-                sink, trace_id, _getrandbits(64) or 1, None, None, sampled, start_ns
-            )
+                sink, trace_id, _getrandbits(64) or 1, None, None, sampled, start_ns,
+                headers.get(b"host"), headers.get(b"user-agent"),
+            )  # fmt: skip
         # never parent on whatever span happens to be current
         ctx = self._propagator.extract(headers, Context(), getter=_BYTES_GETTER)
         parent: SpanContext | None = trace.get_current_span(ctx).get_span_context()
@@ -126,6 +140,8 @@ class Tracing:
             result.trace_state,
             result.decision is Decision.RECORD_AND_SAMPLE,
             start_ns,
+            headers.get(b"host"),
+            headers.get(b"user-agent"),
         )
         if rt.sampled and result.attributes:
             rt.attributes.update(result.attributes)
@@ -145,6 +161,14 @@ class Tracing:
 # --- helpers -------------------------------------------------------------------------------------
 
 _LOW64 = (1 << 64) - 1  # TraceIdRatioBased decides on the low 64 bits of the trace id
+
+
+def _safe_url(url: str | None) -> str:
+    """An endpoint as logged: no user info, query or fragment (they may hold credentials)."""
+    if not url:
+        return "-"
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
 
 
 def _resource(settings: Settings) -> Resource:

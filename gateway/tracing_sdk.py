@@ -9,16 +9,18 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from .trace_record import ROOT_SPAN, RequestTrace
+from .trace_record import ROOT_SPAN, SPAN_KINDS, RequestTrace
 
 __all__ = ["SdkSpans"]
+
+_KINDS = {name: SpanKind[kind] for name, kind in SPAN_KINDS.items()}
 
 
 class SdkSpans:
     """The SDK path: a finished trace as `ReadableSpan`s (children first), into a span processor.
 
     The processor's `on_start` is not called (the spans are made finished); the span limits
-    (OTEL_SPAN_ATTRIBUTE_*) apply to the root's attributes as on SDK spans.
+    (OTEL_SPAN_ATTRIBUTE_*) apply to every span's attributes as on SDK spans.
     """
 
     def __init__(
@@ -33,19 +35,23 @@ class SdkSpans:
         ts = rt.trace_state if rt.trace_state is not None else TraceState()
         sampled = TraceFlags(TraceFlags.SAMPLED)
         root = SpanContext(rt.tid, rt.sid, False, sampled, ts)
+        limits = self._limits
         out = [
             ReadableSpan(
                 name,
                 SpanContext(rt.tid, span_id, False, sampled, ts),
                 root,
                 self._resource,
-                BoundedAttributes(self._limits.max_span_attributes, {}, True),
-                kind=SpanKind.INTERNAL,
+                BoundedAttributes(
+                    limits.max_span_attributes, attrs, True, limits.max_span_attribute_length
+                ),
+                kind=_KINDS.get(name, SpanKind.INTERNAL),
+                status=Status(StatusCode.ERROR, error) if error is not None else Status(),
                 start_time=start,
                 end_time=end,
                 instrumentation_scope=self._scope,
             )
-            for name, span_id, start, end in rt.segments
+            for name, span_id, start, end, attrs, error in rt.segments
         ]
         attributes = BoundedAttributes(
             self._limits.max_span_attributes,

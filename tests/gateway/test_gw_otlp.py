@@ -8,7 +8,9 @@ what is lost is counted and logged.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +40,7 @@ INCOMING = f"00-{TRACE_ID}-{PARENT_ID}-01"
 CHAT = [{"role": "user", "content": "hello"}]
 MS = 1_000_000
 FAST = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # export every 50 ms
+STREAMED = SEGMENTS[:4]  # route, queue, prefill, decode: a streamed answer's segments
 
 
 @dataclass
@@ -112,26 +115,39 @@ def attrs(span: PbSpan) -> dict[str, Any]:
     return out
 
 
-def a_full_trace(tracing: Tracing, incoming: bool) -> RequestTrace:
+def a_full_trace(tracing: Tracing, incoming: bool, attempts: bool = False) -> RequestTrace:
+    """Four segments and root attributes; with `attempts`, the HTTP headers and three upstream
+    attempts (refused, 503, answered) as `Forwarded.attempts` holds them."""
     headers = {b"traceparent": INCOMING.encode(), b"tracestate": b"vendor=abc"} if incoming else {}
+    if attempts:
+        headers.update({b"host": b"gw.example:8443", b"user-agent": b"test/1"})
     t0 = time.time_ns()
     rt = tracing.start(headers, t0)
     assert rt is not None and rt.sampled
     rt.set({"gateway.custom.flag": True, "gateway.custom.list": [1, 2]}, pool="chat")
+    p0 = t0 - rt.epoch_ns(0)  # t0 as a perf_counter_ns stamp
+    tried = [
+        ("r0", "http://10.0.0.1:8000", p0 + 3 * MS, p0 + 4 * MS, 0, "connect_error"),
+        ("r1", "https://user:pw@10.0.0.2", p0 + 4 * MS, p0 + 5 * MS, 503, "status_503"),
+        ("r2", "http://10.0.0.3:8000", p0 + 5 * MS, 0, 200, None),
+    ]
     rt.finish(
         route=(t0 + MS, t0 + 2 * MS),
         queue=(t0 + 2 * MS, t0 + 3 * MS),
-        prefill=(t0 + 3 * MS, t0 + 103 * MS),
+        prefill=(t0 + 5 * MS, t0 + 103 * MS),
         decode=(t0 + 103 * MS, t0 + 503 * MS),
+        attempts=tried if attempts else (),
         end_ns=t0 + 504 * MS,
         attrs={"replicas_tried": ["r0", "r1"], "retries": 1, "status_code": 503},
-        named={"gen_ai.usage.output_tokens": 101, "gateway.replica": "r1"},
+        named={"gen_ai.usage.output_tokens": 101, "gateway.replica": "r1", "url.path": "/v1/x"},
     )
     return rt
 
 
-@pytest.mark.parametrize("incoming", [False, True])
-def test_the_encoding_decodes_to_what_the_sdk_exporter_sends(incoming: bool) -> None:
+@pytest.mark.parametrize(("incoming", "attempts"), [(False, False), (True, False), (True, True)])
+def test_the_encoding_decodes_to_what_the_sdk_exporter_sends(
+    incoming: bool, attempts: bool
+) -> None:
     captured: list[RequestTrace] = []
 
     class Keep:
@@ -145,7 +161,7 @@ def test_the_encoding_decodes_to_what_the_sdk_exporter_sends(incoming: bool) -> 
     real = tracing.sink
     assert isinstance(real, OtlpHttpSink)
     tracing.sink = Keep()
-    a_full_trace(tracing, incoming)
+    a_full_trace(tracing, incoming, attempts)
     (rt,) = captured
     ours = ExportTraceServiceRequest.FromString(real.request([rt]))
     sdk = SdkSpans(SimpleSpanProcessor(InMemorySpanExporter()), tracing.resource, tracing.scope)
@@ -157,6 +173,17 @@ def test_the_encoding_decodes_to_what_the_sdk_exporter_sends(incoming: bool) -> 
     assert attrs(root)["gateway.replicas_tried"] == ("r0", "r1")
     assert attrs(root)["gateway.custom.flag"] is True
     assert (root.trace_state == "vendor=abc") is incoming
+    tries = [s for s in ours.resource_spans[0].scope_spans[0].spans if s.name == "upstream.attempt"]
+    assert len(tries) == (3 if attempts else 0)
+    if attempts:
+        assert attrs(root)["server.address"] == "gw.example" and attrs(root)["server.port"] == 8443
+        assert attrs(root)["user_agent.original"] == "test/1"
+        assert [s.kind for s in tries] == [PbSpan.SpanKind.SPAN_KIND_CLIENT] * 3
+        assert [s.status.code for s in tries] == [2, 2, 0]  # ERROR, ERROR, UNSET
+        assert [attrs(s).get("error.type") for s in tries] == ["connect_error", "503", None]
+        assert attrs(tries[1])["url.full"] == "https://10.0.0.2/v1/x"  # no credentials
+        assert attrs(tries[1])["server.port"] == 443
+        assert tries[2].end_time_unix_nano == spans["upstream.decode"].end_time_unix_nano
     real.shutdown()
 
 
@@ -172,12 +199,12 @@ def test_a_trace_reaches_the_collector_with_headers_and_resource(collector: Coll
     res = {kv.key: kv.value.string_value for kv in resource.attributes}
     assert res["service.name"] == "gw-test" and res["k8s.pod.name"] == "p1"
     spans = {s.name: s for s in collector.spans()}
-    assert set(spans) == {"gateway.request", *SEGMENTS}
+    assert set(spans) == {"gateway.request", *STREAMED}
     root = spans["gateway.request"]
     assert root.trace_id.hex() == TRACE_ID and root.parent_span_id.hex() == PARENT_ID
     assert root.span_id == rt.sid.to_bytes(8, "big")
     assert root.kind == PbSpan.SpanKind.SPAN_KIND_SERVER
-    for name in SEGMENTS:
+    for name in STREAMED:
         child = spans[name]
         assert child.parent_span_id == root.span_id and child.trace_id == root.trace_id
         assert child.kind == PbSpan.SpanKind.SPAN_KIND_INTERNAL
@@ -248,7 +275,7 @@ async def test_a_gateway_request_exports_its_spans_and_continues_the_trace(
         by_trace.setdefault(span.trace_id.hex(), []).append(span)
     assert len(by_trace) == 2
     streamed = {s.name: s for s in by_trace.pop(TRACE_ID)}
-    assert set(streamed) == {"gateway.request", *SEGMENTS}
+    assert set(streamed) == {"gateway.request", *STREAMED, "upstream.attempt"}
     root = streamed["gateway.request"]
     assert root.parent_span_id.hex() == PARENT_ID and root.trace_state == "vendor=abc"
     a = attrs(root)
@@ -258,7 +285,7 @@ async def test_a_gateway_request_exports_its_spans_and_continues_the_trace(
     assert a["gateway.replicas_tried"] == (a["gateway.replica"],) and a["gateway.retries"] == 0
     assert a["gateway.config.version"] == 1 and a["gen_ai.request.model"] == "test-model"
     assert a["gateway.ttft_s"] > 0 and "error.type" not in a
-    seq = [streamed[n] for n in SEGMENTS]
+    seq = [streamed[n] for n in STREAMED]
     for before, after in zip(seq, seq[1:], strict=False):
         assert before.end_time_unix_nano <= after.start_time_unix_nano
     # the replica saw the same trace, parented on the gateway's root span, and the tracestate
@@ -266,12 +293,52 @@ async def test_a_gateway_request_exports_its_spans_and_continues_the_trace(
     _, trace_id, parent, flags = first[b"traceparent"].decode().split("-")
     assert (trace_id, parent, flags) == (TRACE_ID, root.span_id.hex(), "01")
     assert first[b"tracestate"] == b"vendor=abc"
-    # the second request started a trace of its own, at the gateway
-    (other,) = [s for s in next(iter(by_trace.values())) if s.name == "gateway.request"]
+    # the second request started a trace of its own, at the gateway; not streamed, so one
+    # upstream segment and no TTFT (its first token is not seen)
+    whole = {s.name: s for s in next(iter(by_trace.values()))}
+    assert set(whole) == {
+        "gateway.request",
+        "gateway.route",
+        "gateway.queue",
+        "upstream.generate",
+        "upstream.attempt",
+    }
+    other = whole["gateway.request"]
     assert (
         other.parent_span_id == b""
         and up.headers[1][b"traceparent"].decode().split("-")[1] == other.trace_id.hex()
     )
+    assert "gateway.ttft_s" not in attrs(other) and "gateway.tpot_s" not in attrs(other)
+    # the same HTTP attributes on the OTLP path as on the SDK path (test_gw_tracing.py)
+    port = int(served.url.rsplit(":", 1)[1])
+    for spans in (streamed, whole):
+        a = attrs(spans["gateway.request"])
+        assert a["http.request.method"] == "POST" and a["url.scheme"] == "http"
+        assert a["url.path"] == a["http.route"] == "/v1/chat/completions"
+        assert a["server.address"] == "127.0.0.1" and a["server.port"] == int(
+            gw.url.rsplit(":", 1)[1]
+        )
+        assert a["user_agent.original"].startswith("python-httpx/")
+        attempt = spans["upstream.attempt"]
+        assert attempt.kind == PbSpan.SpanKind.SPAN_KIND_CLIENT
+        assert attempt.parent_span_id == spans["gateway.request"].span_id
+        assert attrs(attempt) == {
+            "gateway.replica": f"127.0.0.1:{port}",
+            "http.request.method": "POST",
+            "server.address": "127.0.0.1",
+            "server.port": port,
+            "url.full": f"http://127.0.0.1:{port}/v1/chat/completions",
+            "http.response.status_code": 200,
+        }
+        assert attempt.status.code == 0  # UNSET
+    # the answering attempt covers its upstream segments
+    for spans, segs in (
+        (streamed, ("upstream.prefill", "upstream.decode")),
+        (whole, ("upstream.generate",)),
+    ):
+        attempt = spans["upstream.attempt"]
+        assert attempt.start_time_unix_nano == spans[segs[0]].start_time_unix_nano
+        assert attempt.end_time_unix_nano == spans[segs[-1]].end_time_unix_nano
 
 
 async def test_sampling_off_exports_nothing_but_propagates(collector: Collector) -> None:
@@ -286,16 +353,80 @@ async def test_a_dead_collector_costs_requests_nothing_and_is_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     up = Upstream("a")
-    # nothing listens there; a queue of 12 spans holds three 4-span traces
-    env = {"OTEL_BSP_SCHEDULE_DELAY": "60000", "OTEL_BSP_MAX_QUEUE_SIZE": "12"}
+    # nothing listens there; a queue of 15 spans holds three traces of 5 spans (root, route,
+    # queue, generate, one attempt)
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "60000", "OTEL_BSP_MAX_QUEUE_SIZE": "15"}
     tracing, gw, served = await serve(f"http://127.0.0.1:{free_port()}", up, env)
     sink = tracing.sink
     assert isinstance(sink, OtlpHttpSink)
     caplog.set_level(logging.WARNING, logger="gateway.tracing")
     await chat_then_stop(gw, served, 5)
-    assert sink.dropped_spans == 8  # two traces past the queue's 12 spans
-    assert sink.failed_spans == 12 and sink.exported_spans == 0  # the rest: refused connection
+    assert sink.dropped_spans == 10  # two traces past the queue's 15 spans
+    assert sink.failed_spans == 15 and sink.exported_spans == 0  # the rest: refused connection
     assert "OTLP export queue full" in caplog.text
+
+
+def trace_counts(exposition: str) -> dict[str, float]:
+    return {
+        name: float(value)
+        for name, value in re.findall(r"^(gateway_trace_\w+) (\S+)$", exposition, re.MULTILINE)
+    }
+
+
+async def test_lost_spans_are_prometheus_metrics() -> None:
+    """A dead collector: the queue-full drops and the failed exports move on /metrics."""
+    up = Upstream("a")
+    env = {
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "OTEL_BSP_MAX_QUEUE_SIZE": "15",
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "1",  # one POST and its quick retry, then given up
+    }
+    tracing, gw, served = await serve(f"http://127.0.0.1:{free_port()}", up, env)
+    try:
+        async with httpx.AsyncClient(base_url=gw.url) as h:
+            before = trace_counts((await h.get("/metrics")).text)
+            assert before == {
+                "gateway_trace_spans_exported_total": 0,
+                "gateway_trace_spans_dropped_total": 0,
+                "gateway_trace_spans_failed_total": 0,
+                "gateway_trace_export_failures_total": 0,
+                "gateway_trace_export_queue_spans": 0,
+            }
+            for _ in range(5):  # back to back: the thread wakes every 256 traces or 50 ms
+                body = {"model": "test-model", "messages": CHAT}
+                assert (await h.post("/v1/chat/completions", json=body)).status_code == 200
+
+            deadline = time.monotonic() + 10
+            while True:  # the export thread's counts, as a scrape reads them
+                after = trace_counts((await h.get("/metrics")).text)
+                lost = (
+                    after["gateway_trace_spans_dropped_total"]
+                    + after["gateway_trace_spans_failed_total"]
+                )
+                if lost == 25 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+    finally:
+        await gw.stop()
+        await served.stop()
+    assert lost == 25 and after["gateway_trace_spans_exported_total"] == 0  # 5 traces of 5
+    assert after["gateway_trace_spans_failed_total"] >= 15  # what the queue held, never sent
+    assert after["gateway_trace_export_failures_total"] >= 1
+    assert after["gateway_trace_export_queue_spans"] == 0
+
+
+async def test_trace_metrics_are_empty_without_the_otlp_exporter() -> None:
+    served = await start_server(Upstream("a"))
+    cfg = parse_config({"pools": {"chat": {"replicas": [served.url]}}})
+    gw = await start_server(create_app(cfg, tracing=Tracing(None, environ={})), lifespan="on")
+    try:
+        async with httpx.AsyncClient(base_url=gw.url) as h:
+            text = (await h.get("/metrics")).text
+    finally:
+        await gw.stop()
+        await served.stop()
+    assert "# TYPE gateway_trace_spans_dropped_total counter" in text
+    assert trace_counts(text) == {}  # families without samples: tracing is off
 
 
 @pytest.mark.parametrize("status", [400, 500])
@@ -367,5 +498,5 @@ def test_sdk_path_still_serves_other_exporters() -> None:
     tracing = Tracing(None, exporter=exporter, environ={})
     assert isinstance(tracing.sink, SdkSpans)
     a_full_trace(tracing, incoming=True)
-    assert {s.name for s in exporter.get_finished_spans()} == {"gateway.request", *SEGMENTS}
+    assert {s.name for s in exporter.get_finished_spans()} == {"gateway.request", *STREAMED}
     tracing.shutdown()

@@ -6,11 +6,16 @@ collectors is test_gw_otlp.py.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
@@ -19,7 +24,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from pydantic import SecretStr, ValidationError
 
+from gateway import create_app, parse_config
+from gateway.errors import ERROR_TYPES
+from gateway.failover import _attempt_outcome
+from gateway.proxy import Retryable
+from gateway.trace_record import ROOT_SPAN, SPAN_KINDS, TYPES
 from gateway.tracing import (
+    ATTEMPT_ATTRIBUTES,
     ATTRIBUTES,
     SEGMENTS,
     RequestTrace,
@@ -29,6 +40,11 @@ from gateway.tracing import (
     resolve,
     resolve_exporter,
 )
+from policies.base import COLD, GUARD, NO_CANDIDATES, ONLY_CANDIDATE, TIE
+from policies.registry import TABLE, _lookup
+from simulator.harness import free_port
+from tests.gateway.fake_replica import Upstream
+from tests.support import start_server
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -37,6 +53,8 @@ TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 HAS_HTTP = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is not None
 HAS_GRPC = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None
 MS = 1_000_000
+CHAT = [{"role": "user", "content": "hello"}]
+STREAMED = SEGMENTS[:4]  # route, queue, prefill, decode: a streamed answer's segments
 
 
 @pytest.fixture
@@ -90,12 +108,12 @@ def test_a_request_with_all_four_segments(memory: tuple[Tracing, InMemorySpanExp
         error_type=None,
     )
     spans = by_name(exporter.get_finished_spans())
-    assert set(spans) == {"gateway.request", *SEGMENTS}
+    assert set(spans) == {"gateway.request", *STREAMED}
     root = spans["gateway.request"]
     assert root.kind is SpanKind.SERVER and root.parent is None
     assert (root.start_time, root.end_time) == (t0, t0 + 506 * MS)
     assert root.status.status_code is StatusCode.UNSET
-    children = [spans[name] for name in SEGMENTS]
+    children = [spans[name] for name in STREAMED]
     for child in children:
         assert child.parent is not None and child.parent.span_id == root.context.span_id
         assert child.context.trace_id == root.context.trace_id
@@ -149,6 +167,12 @@ def test_an_error_sets_status_and_outcome(memory: tuple[Tracing, InMemorySpanExp
         assert span.attributes is not None
         assert span.attributes["error.type"] == kind
         assert span.attributes["gateway.outcome"] == "error"
+    # a 4xx: error.type says which, but a server span's status stays unset (the client's error)
+    rt3 = started(tracing)
+    rt3.finish(end_ns=time.time_ns(), attrs={"status_code": 429}, error_type="rate_limit_error")
+    third = exporter.get_finished_spans()[2]
+    assert third.status.status_code is StatusCode.UNSET
+    assert third.attributes is not None and third.attributes["error.type"] == "rate_limit_error"
 
 
 def test_outcome_given_by_the_caller_is_kept(memory: tuple[Tracing, InMemorySpanExporter]) -> None:
@@ -429,3 +453,234 @@ async def test_aclose_flushes_off_the_event_loop(
     tracing, _ = memory
     await tracing.aclose()
     assert tracing.start({}, time.time_ns()) is None
+
+
+# --- through a gateway: attempt spans, TTFT, HTTP attributes (SDK path; OTLP: test_gw_otlp.py) --
+
+
+@contextlib.asynccontextmanager
+async def traced_gateway(replicas: list[str], exporter: InMemorySpanExporter) -> AsyncIterator[str]:
+    """A gateway over `replicas` (round robin, so the first request tries them in this order),
+    every request traced into `exporter`."""
+    pool = {
+        "replicas": replicas,
+        "policy": "round_robin",
+        "health": {"interval_s": 60},  # no probe closes a circuit during the test
+        "timeouts": {"connect_s": 1, "first_byte_s": 5, "idle_s": 5, "total_s": 30},
+    }
+    app = create_app(
+        parse_config({"pools": {"chat": pool}}), tracing=Tracing(None, exporter=exporter)
+    )
+    gw = await start_server(app, lifespan="on")
+    try:
+        yield gw.url
+    finally:
+        await gw.stop()
+
+
+def traces(exporter: InMemorySpanExporter) -> list[list[ReadableSpan]]:
+    out: dict[int, list[ReadableSpan]] = {}
+    for span in exporter.get_finished_spans():
+        out.setdefault(span.context.trace_id, []).append(span)
+    return list(out.values())
+
+
+async def test_a_span_per_upstream_attempt_with_a_dead_replica() -> None:
+    """dead, then 503, then a live replica: three attempt spans in order, each its outcome."""
+    busy, live = (
+        await start_server(Upstream("busy", mode="error_503")),
+        await start_server(Upstream("live")),
+    )
+    dead = f"http://127.0.0.1:{free_port()}"
+    exporter = InMemorySpanExporter()
+    try:
+        async with (
+            traced_gateway([dead, busy.url, live.url], exporter) as url,
+            httpx.AsyncClient(base_url=url) as h,
+        ):
+            res = await h.post("/v1/chat/completions", json={"model": "m", "messages": CHAT})
+            assert res.status_code == 200
+    finally:
+        await busy.stop()
+        await live.stop()
+    (spans,) = traces(exporter)
+    root = next(s for s in spans if s.name == "gateway.request")
+    attempts = sorted((s for s in spans if s.name == "upstream.attempt"), key=times)
+    assert len(attempts) == 3
+    assert root.attributes is not None and root.attributes["gateway.retries"] == 2
+    for span in attempts:
+        assert span.kind is SpanKind.CLIENT and span.parent is not None
+        assert span.parent.span_id == root.context.span_id
+        assert times(root)[0] <= times(span)[0] <= times(span)[1] <= times(root)[1]
+    for before, after in zip(attempts, attempts[1:], strict=False):
+        assert times(before)[1] <= times(after)[0]  # one after the other
+    first, second, third = (dict(s.attributes or {}) for s in attempts)
+    dead_port, busy_port, live_port = (int(u.rsplit(":", 1)[1]) for u in (dead, busy.url, live.url))
+    assert first == {
+        "gateway.replica": f"127.0.0.1:{dead_port}",
+        "http.request.method": "POST",
+        "server.address": "127.0.0.1",
+        "server.port": dead_port,
+        "url.full": f"http://127.0.0.1:{dead_port}/v1/chat/completions",
+        "error.type": "connect_error",  # no status: nothing answered
+    }
+    assert second["http.response.status_code"] == 503 and second["error.type"] == "503"
+    assert second["http.request.resend_count"] == 1 and second["server.port"] == busy_port
+    assert third["http.response.status_code"] == 200 and "error.type" not in third
+    assert third["http.request.resend_count"] == 2 and third["server.port"] == live_port
+    assert [s.status.status_code for s in attempts] == [
+        StatusCode.ERROR, StatusCode.ERROR, StatusCode.UNSET,
+    ]  # fmt: skip
+    # the answering replica's segment starts with its own attempt, not the first one
+    generate = next(s for s in spans if s.name == "upstream.generate")
+    assert times(generate)[0] == times(attempts[2])[0]
+    assert times(generate)[1] == times(attempts[2])[1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_ttft_only_when_the_first_token_is_seen(stream: bool) -> None:
+    live = await start_server(Upstream("live", chunks=4, chunk_delay_s=0.01))
+    exporter = InMemorySpanExporter()
+    try:
+        async with (
+            traced_gateway([live.url], exporter) as url,
+            httpx.AsyncClient(base_url=url, headers={"user-agent": "trace-test/1.0"}) as h,
+        ):
+            body = {"model": "m", "messages": CHAT, "stream": stream}
+            res = await h.post("/v1/chat/completions", json=body)
+            assert res.status_code == 200
+            gw_port = int(url.rsplit(":", 1)[1])
+    finally:
+        await live.stop()
+    (spans,) = traces(exporter)
+    named = by_name(tuple(spans))
+    a = named["gateway.request"].attributes
+    assert a is not None
+    if stream:
+        assert {"upstream.prefill", "upstream.decode"} <= set(named)
+        assert "upstream.generate" not in named
+        assert a["gateway.ttft_s"] > 0
+    else:
+        assert "upstream.generate" in named
+        assert not {"upstream.prefill", "upstream.decode"} & set(named)
+        assert "gateway.ttft_s" not in a and "gateway.tpot_s" not in a
+    # HTTP server span conventions on the root
+    assert a["http.request.method"] == "POST" and a["url.scheme"] == "http"
+    assert a["url.path"] == a["http.route"] == "/v1/chat/completions"
+    assert a["http.response.status_code"] == 200 and "error.type" not in a
+    assert a["server.address"] == "127.0.0.1" and a["server.port"] == gw_port
+    assert a["user_agent.original"] == "trace-test/1.0"
+    assert a["gateway.priority"] == "interactive"  # the class name, as docs/tracing.md says
+
+
+async def test_non_streamed_ttft_is_not_observed_in_metrics() -> None:
+    """gateway_ttft_seconds counts streams only: a non-streamed answer's first token is unseen."""
+    live = await start_server(Upstream("live"))
+    exporter = InMemorySpanExporter()
+    try:
+        async with (
+            traced_gateway([live.url], exporter) as url,
+            httpx.AsyncClient(base_url=url) as h,
+        ):
+            for stream in (False, False, True):
+                body = {"model": "m", "messages": CHAT, "stream": stream}
+                assert (await h.post("/v1/chat/completions", json=body)).status_code == 200
+            text = (await h.get("/metrics")).text
+    finally:
+        await live.stop()
+    counts = re.findall(r"^gateway_ttft_seconds_count\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    assert [float(c) for c in counts] == [1.0]
+    durations = re.findall(r"^gateway_request_duration_seconds_count\{[^}]*\} (\S+)$", text, re.M)
+    assert sum(float(c) for c in durations) == 3.0
+
+
+def test_tracing_on_is_logged_without_credentials(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.tracing")
+    config = TracingConfig(
+        exporter="otlp_http",
+        endpoint="http://user:secret@collector:4318/v1/traces?token=abc",
+        headers={"authorization": SecretStr("Bearer hidden")},
+        sampling_ratio=0.25,
+    )
+    tracing = Tracing(config, environ={})
+    tracing.shutdown()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tracing on")]
+    assert "exporter otlp_http" in line and "endpoint http://collector:4318/v1/traces," in line
+    assert "TraceIdRatioBased{0.25}" in line and "service.name kv-gateway" in line
+    assert not any(secret in line for secret in ("secret", "abc", "hidden", "user"))
+    caplog.clear()
+    Tracing(None, environ={}).shutdown()  # off: no line
+    assert not [r for r in caplog.records if r.getMessage().startswith("tracing on")]
+
+
+# --- docs/tracing.md against the code --------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs/tracing.md"
+
+
+def doc_table(after: str) -> dict[str, list[str]]:
+    """The first table after the line starting with `after`: {first cell's name: other cells}."""
+    lines = DOCS.read_text().split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith(after))
+    rows: dict[str, list[str]] = {}
+    for line in lines[start + 1 :]:
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = re.fullmatch(r"`([^`]+)`", cells[0])
+        if name:
+            rows[name.group(1)] = cells[1:]
+    return rows
+
+
+def ticked(text: str) -> set[str]:
+    return set(re.findall(r"`([^`]+)`", text))
+
+
+def test_the_span_table_is_the_code() -> None:
+    assert {name: cells[0] for name, cells in doc_table("| span | kind |").items()} == SPAN_KINDS
+    spans = DOCS.read_text()
+    assert all(f"── {name}" in spans or name == ROOT_SPAN for name in SPAN_KINDS)  # the tree too
+
+
+@pytest.mark.parametrize(
+    ("heading", "names"),
+    [
+        ("Attributes of `gateway.request`", ATTRIBUTES.values()),
+        ("Attributes of each `upstream.attempt`", ATTEMPT_ATTRIBUTES.values()),
+    ],
+)
+def test_the_attribute_tables_are_the_code(heading: str, names: Any) -> None:
+    table = doc_table(heading)
+    assert set(table) == set(names)
+    assert {name: cells[0] for name, cells in table.items()} == {n: TYPES[n] for n in names}
+
+
+def test_the_values_the_docs_name_exist() -> None:
+    root = doc_table("Attributes of `gateway.request`")
+    scorers = {_lookup("scorer", name, "").reason for name in TABLE["scorer"]}
+    reasons = scorers | {TIE, COLD, GUARD, ONLY_CANDIDATE, NO_CANDIDATES} | set(TABLE["picker"])
+    gateway_src = "".join(p.read_text() for p in (DOCS.parents[1] / "gateway").glob("*.py"))
+    reasons |= set(re.findall(r'\breason = "(\w+)"', gateway_src))  # set by the gateway itself
+    named = {v for v in ticked(root["gateway.route.reason"][1]) if re.fullmatch(r"\w+", v)}
+    assert named <= reasons
+    assert scorers <= ticked(root["gateway.route.reason"][1])  # every scorer's reason is named
+    # the outcomes a Record and a Forwarded can end with (gateway/record.py, failover.py)
+    outcomes = {"ok", "error", "upstream_error", "client_disconnected", "broken_mid_stream"}
+    assert ticked(root["gateway.outcome"][1]) == outcomes
+    assert ticked(root["error.type"][1]) <= {*ERROR_TYPES, "client_disconnected"}
+    classes = ticked(root["gateway.priority"][1]) - {"priority_classes"}
+    assert classes == set(
+        parse_config({"pools": {"p": {"replicas": ["http://r:1"]}}}).priority_classes
+    )
+    attempt = doc_table("Attributes of each `upstream.attempt`")
+    failover = {
+        _attempt_outcome(Retryable(r)) for r in ("timeout (idle_s)", "connection refused", "closed")
+    }
+    errors = ticked(attempt["error.type"][1])
+    assert failover | {"broken_mid_stream", "client_disconnected"} <= errors
+    assert all(
+        e.isdigit() for e in errors - failover - {"broken_mid_stream", "client_disconnected"}
+    )
