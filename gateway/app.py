@@ -1,7 +1,8 @@
 """`create_app(config)`: the ASGI application, built explicitly from its parts.
 
-The two OpenAI proxy paths are dispatched by a dict lookup in front of Starlette, so the hot path
-carries no framework middleware; everything else (health, metrics, models, admin) is plain Starlette.
+The proxied paths (every endpoint kind, `gateway/kinds.py`, and the operator's `passthrough:`
+paths) are dispatched by a dict lookup in front of Starlette, so the hot path carries no framework
+middleware; everything else (health, metrics, models, admin) is plain Starlette.
 
 Admin routes (`/admin/*`, `/debug/*`) need `Authorization: Bearer <server.admin_key>`; with no key
 configured they are off and answer 404. `/dashboard` is a static page holding no data, served either
@@ -40,6 +41,8 @@ from .errors import (
     Unauthorized,
     error_payload,
 )
+from .fleet_load import ready_fields
+from .kinds import PATHS, passthrough_kind
 from .openapi import openapi_document
 from .pipeline import Pipeline
 from .reload import ConfigReloader
@@ -128,11 +131,20 @@ class GatewayApp:
         self.rest = rest
         self.inflight = 0  # requests holding a slot
         self.bodies = BodyBudget()
-        pipeline = Pipeline(gateway)
-        self._proxy = {
-            "/v1/chat/completions": ProxyEndpoint(pipeline, "chat", self.bodies),
-            "/v1/completions": ProxyEndpoint(pipeline, "completions", self.bodies),
-        }
+        self.pipeline = pipeline = Pipeline(gateway)
+        self._proxy = {path: ProxyEndpoint(pipeline, kind, self.bodies) for path, kind in PATHS.items()}
+        self._passthrough: dict[tuple[str, str], ProxyEndpoint] = {}
+
+    def passthrough(self, scope: Scope) -> ProxyEndpoint | None:
+        """The endpoint of a `passthrough:` path (GET or POST), read per request (reloads)."""
+        method, path = scope["method"], scope["path"]
+        if method not in ("GET", "POST") or path not in self.gateway.config.passthrough:
+            return None
+        endpoint = self._passthrough.get((method, path))
+        if endpoint is None:
+            kind = passthrough_kind(method.encode(), path)
+            endpoint = self._passthrough[method, path] = ProxyEndpoint(self.pipeline, kind, self.bodies)
+        return endpoint
 
     def begin_shutdown(self, grace_s: float) -> None:
         """The server's graceful shutdown began (gateway.http_protocol): end streams in time."""
@@ -143,6 +155,8 @@ class GatewayApp:
             await self.rest(scope, receive, send)
             return
         endpoint = self._proxy.get(scope["path"]) if scope["method"] == "POST" else None
+        if endpoint is None and self.gateway.config.passthrough:
+            endpoint = self.passthrough(scope)
         slots = self.gateway.config.server.max_connections
         if slots is not None and self.inflight >= slots:
             busy = ServerBusy(
@@ -237,8 +251,9 @@ def create_app(
             for name, pool in gateway.pools.items()
         }
         ok = all(n > 0 for n in pools.values())
-        body = {"status": "ready" if ok else "not_ready", "available_replicas": pools}
-        return _json(body, 200 if ok else 503)
+        body = {"status": "ready" if ok else "not_ready", "available_replicas": pools,
+                **ready_fields(gateway.fleet, gateway.index)}  # fmt: skip
+        return _json(body, 200 if ok else 503)  # Redis down is fail-open: not a 503
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -330,8 +345,8 @@ def create_app(
             Route("/admin/reload", admin_only(gateway, reload_now), methods=["POST"]),
             Route("/dashboard", dashboard, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
-            Route("/v1/chat/completions", health, methods=["POST"]),  # served by GatewayApp
-            Route("/v1/completions", health, methods=["POST"]),
+            # served by GatewayApp; here so that another method gets a 405
+            *(Route(path, health, methods=["POST"]) for path in PATHS),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,

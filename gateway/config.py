@@ -21,6 +21,7 @@ from .config_sections import (
     AdmissionConfig,
     ChunkingConfig,
     EventsConfig,
+    FleetConfig,
     HealthConfig,
     IndexConfig,
     PoolConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "EventsConfig",
+    "FleetConfig",
     "HealthConfig",
     "IndexConfig",
     "PoolConfig",
@@ -89,6 +91,20 @@ class Config(BaseModel):
     ratelimit: RateLimitConfig = RateLimitConfig()
     admission: AdmissionConfig = AdmissionConfig()
     tracing: TracingConfig = TracingConfig()
+    # extra engine paths exposed as they are (GET or POST), e.g. ["/v1/load_lora_adapter"]
+    passthrough: tuple[str, ...] = ()
+    fleet: FleetConfig = FleetConfig()
+
+    @field_validator("passthrough")
+    @classmethod
+    def _passthrough_paths(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for i, path in enumerate(v):
+            problem = passthrough_problem(path)
+            if problem is not None:
+                raise ValueError(f"[{i}]: {problem}")
+        if len(set(v)) != len(v):
+            raise ValueError("a path is listed twice")
+        return v
 
     # the built-in classes stay unless removed (`batch: null`); see tenants.merge_builtin_classes
     @field_validator("priority_classes", mode="before")
@@ -150,24 +166,36 @@ class Config(BaseModel):
         return shown
 
 
+_GATEWAY_PATHS = ("/health", "/ready", "/metrics", "/version", "/dashboard", "/openapi.json")
+_GATEWAY_PREFIXES = ("/v1/models", "/admin/", "/debug/")
+
+
+def passthrough_problem(path: str) -> str | None:
+    """Why `path` cannot be a `passthrough:` path, or None: an exact absolute path, not one the
+    gateway answers itself."""
+    from .kinds import PATHS  # the proxied kinds' paths
+
+    if not path.startswith("/") or any(c in path for c in "?# \t\r\n") or "//" in path:
+        return f"{path!r} is not an exact absolute path (no query, fragment or spaces)"
+    if path in PATHS or path in _GATEWAY_PATHS or path.startswith(_GATEWAY_PREFIXES):
+        return f"{path!r} is a path the gateway serves itself"
+    return None
+
+
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s\"'<>]+")
 
 
 def _mask_url(m: re.Match[str]) -> str:
-    url = m.group()
-    scheme, _, rest = url.partition("://")
-    # the last @ of the URL ends the userinfo: a password may hold an unescaped / ? # or @
-    userinfo, at, hostpart = rest.rpartition("@")
-    if not at:
-        return url
-    user, colon, password = userinfo.partition(":")
-    if not colon or not password:
-        return url
-    return f"{scheme}://{user}:***@{hostpart}"
+    # the userinfo's password (the last @ ends it: a password may hold an unescaped / ? # or @)
+    # and password options (`?sentinel_password=`), as prefix_index.redis_client redacts them
+    from prefix_index.redis_client import redact_url
+
+    return redact_url(m.group())
 
 
 def mask_url_passwords(value: Any) -> Any:
-    """`value` with the password of every URL's userinfo shown as `***` (`redis://u:***@host/0`):
+    """`value` with the password of every URL's userinfo, and every `password`, `sentinel_password`
+    or `ssl_password` option in its query, shown as `***` (`redis://u:***@host/0`):
     a string (a URL, or text that holds URLs), or lists and dicts of them, recursively."""
     if isinstance(value, str):
         return _URL_IN_TEXT.sub(_mask_url, value) if "://" in value else value

@@ -5,7 +5,6 @@ and loading are `config.py`."""
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -24,6 +23,13 @@ class RequestLogConfig(_Strict):
     is the share of requests logged (0 turns it off). A tenant's `request_log: false` drops its."""
 
     sample: float = Field(1.0, ge=0, le=1)
+
+
+class MetricsConfig(_Strict):
+    """`server.metrics:` the `model` and `tenant` labels of the request and token counters take
+    at most `max_label_values` distinct values each per process; later values read `other`."""
+
+    max_label_values: int = Field(100, ge=1, le=10_000)
 
 
 class ServerConfig(_Strict):
@@ -62,6 +68,7 @@ class ServerConfig(_Strict):
     # true: error bodies also name replicas, their addresses and why each attempt failed
     expose_upstream_errors: bool = False
     request_log: RequestLogConfig = RequestLogConfig()
+    metrics: MetricsConfig = MetricsConfig()
     admin_key: SecretStr | None = (
         None  # required (Bearer) on /dashboard, /admin/*, /debug/*; unset: those are off
     )
@@ -267,38 +274,14 @@ class EventsConfig(_Strict):
     parity_interval_s: float = Field(300.0, gt=0)  # how often token parity is checked
 
 
-REDIS_URL_FORM = "redis://[user:password@]host:port/db, rediss://... (TLS) or unix:///path.sock"
-
-
 def redis_url_problem(url: str) -> str | None:
-    """Why `url` is not a Redis URL the client can open, or None. The URL itself is never part of
-    the answer: it may hold a password."""
-    try:
-        parts = urlsplit(url)
-        _ = parts.port  # a port that is not a number raises here
-    except ValueError:
-        return (
-            f"not a Redis URL: its port is not a number from 0 to 65535 (expected {REDIS_URL_FORM})"
-        )
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        return f"not a Redis URL (expected {REDIS_URL_FORM})"
-    if parts.scheme == "unix":
-        return (
-            None if parts.path else f"not a Redis URL: no socket path (expected {REDIS_URL_FORM})"
-        )
-    if not parts.hostname:
-        return f"not a Redis URL: no host (expected {REDIS_URL_FORM})"
-    db = parts.path.strip("/")
-    if db and not db.isdigit():
-        return "not a Redis URL: the database after the host must be a number, like /0"
-    from redis import connection
+    """Why `url` is not a Redis URL the client can open, or None: one node (redis://, rediss://,
+    unix://), Sentinel (redis+sentinel://) or Cluster (redis+cluster://), options and the
+    KVGW_REDIS_* environment as prefix_index/redis_client.py reads them. The URL itself is never
+    part of the answer: it may hold a password."""
+    from prefix_index.redis_client import redis_url_problem as problem
 
-    parse: Callable[[str], dict[str, Any]] = connection.parse_url  # as the client will: options too
-    try:
-        parse(url)
-    except ValueError as exc:
-        return f"not a Redis URL: {str(exc).replace(url, '<url>')}"
-    return None
+    return problem(url)
 
 
 class IndexConfig(_Strict):
@@ -311,6 +294,9 @@ class IndexConfig(_Strict):
     max_blocks: int = Field(2_000_000, ge=1_000)
     ttl_s: float | None = Field(600.0, gt=0)
     events: EventsConfig = EventsConfig()
+    # memory backend: written on shutdown, read at start when younger than snapshot_max_age_s
+    snapshot_path: str | None = None
+    snapshot_max_age_s: float = Field(600.0, gt=0)
 
     @field_validator("redis_url")
     @classmethod
@@ -326,6 +312,11 @@ class IndexConfig(_Strict):
             raise ValueError(
                 "events.enabled: KV events require chunking.mode: tokens (the engine reports token ids)"
             )
+        if self.snapshot_path is not None and self.backend != "memory":
+            raise ValueError(
+                "snapshot_path: only the memory index writes a snapshot (the redis index "
+                "outlives a gateway by itself)"
+            )
         if self.events.enabled and self.backend != "memory":
             raise ValueError(
                 "events.enabled: KV events require backend: memory (the redis index keeps no engine-reported entries yet)"
@@ -336,3 +327,40 @@ class IndexConfig(_Strict):
 class AdmissionConfig(_Strict):
     shed_status: Literal[429, 503] = 429
     forward_priority: bool = False  # send the class rank as vLLM's `priority` (lower runs first)
+
+
+class FleetConfig(_Strict):
+    """`fleet:` gateways that front the same replicas share their load through Redis
+    (gateway/fleet_load.py, docs/scaleout.md). `shared_load: null` (the default) follows the
+    index: on with `index.backend: redis`, off with the memory index. With it on,
+    `max_inflight_per_replica` is a fleet-wide cap: each gateway counts its own requests plus
+    the others' as of their last tick."""
+
+    shared_load: bool | None = None  # None: on when index.backend is redis
+    redis_url: str | None = None  # None: index.redis_url
+    name: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    gateway_id: str | None = Field(None, min_length=1, max_length=128)  # None: host-pid-random
+    publish_interval_ms: float = Field(20.0, ge=1, le=10_000)
+    stale_after_s: float = Field(3.0, gt=0, le=600)
+
+    @field_validator("gateway_id", mode="before")
+    @classmethod
+    def _empty_id_is_default(cls, v: Any) -> Any:
+        return None if v == "" else v  # `${POD_NAME:-}` outside Kubernetes
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        problem = None if v is None else redis_url_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
+    @model_validator(mode="after")
+    def _tick_inside_staleness(self) -> FleetConfig:
+        if self.publish_interval_ms / 1000 * 3 > self.stale_after_s:
+            raise ValueError(
+                "stale_after_s: must be at least 3 publish intervals, or live gateways would "
+                "count as gone between their ticks"
+            )
+        return self

@@ -1,5 +1,5 @@
-"""The ASGI endpoint for an OpenAI proxy path: check the key, read the body, run the pipeline,
-answer errors once.
+"""The ASGI endpoint for a proxied path (one per endpoint kind, `gateway/kinds.py`): check the
+key, read the body, run the pipeline, answer errors once.
 
 The API key is checked before a byte of the body is read, and the whole body must arrive within
 `server.body_timeout_s`; the bytes of all bodies held at once are capped (`BodyBudget`). A client
@@ -21,7 +21,7 @@ from .errors import (
     RequestTimeout,
     error_body,
 )
-from .openai import Kind
+from .kinds import EndpointKind
 from .pipeline import Pipeline, RawHeaders, request_id
 from .record import Record
 from .snapshot import Snapshot
@@ -160,7 +160,7 @@ async def send_error(send: Send, exc: GatewayError, close: bool = False) -> None
 
 
 class ProxyEndpoint:
-    def __init__(self, pipeline: Pipeline, kind: Kind, bodies: BodyBudget) -> None:
+    def __init__(self, pipeline: Pipeline, kind: EndpointKind, bodies: BodyBudget) -> None:
         self.pipeline = pipeline
         self.kind = kind
         self.bodies = bodies
@@ -168,7 +168,8 @@ class ProxyEndpoint:
     async def refuse(self, send: Send, exc: GatewayError) -> None:
         """Answer `exc` without reading the body (full request slots), recorded like any request."""
         snap = self.pipeline.gw.current
-        rec = Record(time.perf_counter_ns(), snapshot=snap.version, request_id=request_id({}))
+        rec = Record(time.perf_counter_ns(), snapshot=snap.version, request_id=request_id({}),
+                     path=self.kind.path.decode())
         await self.pipeline.finish(snap, rec, exc)
         await send_error(send, exc, close=True)
 
@@ -177,7 +178,10 @@ class ProxyEndpoint:
         snap = pipeline.gw.current  # the one snapshot this request runs on, start to end
         headers = dict(scope["headers"])
         # the id first: a request refused before its body is read is logged under it too
-        rec = Record(time.perf_counter_ns(), snapshot=snap.version, request_id=request_id(headers))
+        rec = Record(
+            time.perf_counter_ns(), snapshot=snap.version, request_id=request_id(headers),
+            path=scope["path"],
+        )  # fmt: skip
         tracing = pipeline.gw.tracing
         if tracing.enabled:
             rec.trace = tracing.start(headers, time.time_ns())

@@ -15,21 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from .config import PoolConfig, TimeoutsConfig
 from .errors import GatewayError, NoReplicaAvailable, ServerBusy, UpstreamError, UpstreamTimeout
-from .openai import Kind, ParsedRequest
+from .kinds import EndpointKind
+from .openai import ParsedRequest
 from .pools import Pool
 from .proxy import Opened, Retryable, normalize_error_body, open_upstream, relay_stream, send_whole
 from .router import Dispatch, Router, Routing
-from .streams import StreamTap
 from .types import Headers, Send
 
 if TYPE_CHECKING:
     from .runtime import Gateway
-
-UPSTREAM_PATHS: dict[Kind, bytes] = {
-    "chat": b"/v1/chat/completions",
-    "completions": b"/v1/completions",
-}
-
 
 @dataclass(slots=True)
 class Outbound:
@@ -44,6 +38,7 @@ class Outbound:
     extra: Headers  # to the client, on the answer
     expose_errors: bool  # server.expose_upstream_errors
     answers_cap: int | None  # server.max_answer_bytes_in_flight
+    kind: EndpointKind  # the endpoint's row: upstream path and method, stream tap, usage
 
 
 @dataclass(slots=True)
@@ -62,7 +57,14 @@ class Forwarded:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    answer_id: str | None = None  # a sticky kind's answer id (`/v1/responses`: the response's)
     error: GatewayError | None = None
+    path: bytes = b""  # the upstream path and method (the client's, for every proxied kind)
+    method: bytes = b"POST"
+    # one per attempt that went on the wire, in order, for its trace span: (replica, its URL,
+    # t_start, t_end (0: the answer's, t_last), status (0: none), the failover outcome of
+    # gateway_upstream_attempts_total (None: this replica answered))
+    attempts: list[tuple[str, str, int, int, int, str | None]] = field(default_factory=list)
 
 
 class Failover:
@@ -72,7 +74,8 @@ class Failover:
     async def forward(self, out: Outbound, first: Dispatch, send: Send, fwd: Forwarded) -> Forwarded:
         """Try the ranked replicas in turn until one answers; never retry after the first byte."""
         gw, pc, req = self.gw, out.pool.config, out.req
-        path = UPSTREAM_PATHS[req.kind]
+        path = fwd.path = out.kind.path
+        fwd.method = out.kind.method
         failures: list[tuple[str, Retryable]] = []
         fired: list[str] = []  # the timeout that ended each timed-out attempt
         deadline = time.monotonic() + pc.timeouts.total_s  # the whole request, retries included
@@ -96,6 +99,7 @@ class Failover:
                     opened = await open_upstream(
                         gw.upstream, current.replica.url, path, out.body, out.headers,
                         pc.timeouts, req.stream, left, gw.answers, out.answers_cap,
+                        method=out.kind.method, json_answer=out.kind.json_answer,
                     )  # fmt: skip
                 except ServerBusy:  # the gateway's own answer budget, not the replica's fault
                     await current.finished(True, True, None)
@@ -103,11 +107,15 @@ class Failover:
                 except Retryable as exc:
                     await current.failed(exc.reason)
                     failures.append((name, exc))
+                    outcome = _attempt_outcome(exc)
+                    fwd.attempts.append(
+                        (name, current.replica.url, t_sent, time.perf_counter_ns(), exc.status or 0, outcome)
+                    )  # fmt: skip
                     spent = (time.perf_counter_ns() - t_sent) / 1e9
                     which = timeout_fired(exc.reason, pc.timeouts, req.stream, left, spent)
                     if which is not None:
                         fired.append(which)
-                    gw.metrics.attempts.labels(out.pool.name, name, _attempt_outcome(exc)).inc()
+                    gw.metrics.attempts.labels(out.pool.name, name, outcome).inc()
                     if current.view.circuit != "half_open":  # a failed trial uses no retry
                         retries -= 1
                     nxt = next(candidates, None) if retries >= 0 else None
@@ -115,12 +123,14 @@ class Failover:
                     continue
                 fwd.t_first = time.perf_counter_ns()
                 fwd.replica, fwd.status = name, opened.status
+                fwd.attempts.append((name, current.replica.url, t_sent, 0, opened.status, None))
                 current.prefilled()
                 try:
                     await self.deliver(out, opened, send, fwd)
                 finally:
                     opened.free()  # the answer is with the client (or never will be)
-                ok = opened.status < 500 and fwd.outcome == "ok"
+                # a 4xx is the request's fault, not the replica's: only 5xx and broken streams count
+                ok = opened.status < 500 and fwd.outcome != "broken_mid_stream"
                 # the replica's own TTFT (sent -> first byte), not the client's: no queue time in it
                 ttft_s = (fwd.t_first - t_sent) / 1e9 if req.stream and fwd.status == 200 else None
                 await current.finished(ok, fwd.status == 200, ttft_s, f"upstream {fwd.outcome}")
@@ -141,24 +151,24 @@ class Failover:
             fwd.t_last = time.perf_counter_ns()
             return
         usage: Any
+        row = out.kind
         if out.req.stream:
-            tap = StreamTap(strip_usage=not out.req.include_usage)
+            tap = row.tap(strip_usage=not out.req.include_usage)
             broke = await relay_stream(opened, send, out.extra, tap, live=self.gw.live_streams)
             fwd.t_last = time.perf_counter_ns()
             if broke is not None:
                 fwd.outcome, fwd.error_type = "broken_mid_stream", broke.type
             usage = tap.usage
+            fwd.answer_id = getattr(tap, "answer_id", None)
         else:
             await send_whole(opened, send, out.extra)
             fwd.t_last = time.perf_counter_ns()
-            usage = opened.parsed.get("usage") if opened.parsed is not None else None
+            usage = row.usage(opened.parsed) if opened.parsed is not None else None
+            if row.sticky and opened.parsed is not None:
+                rid = opened.parsed.get("id")
+                fwd.answer_id = rid if isinstance(rid, str) else None
         if isinstance(usage, dict):
-            fwd.input_tokens = _count(usage.get("prompt_tokens"))
-            fwd.output_tokens = _count(usage.get("completion_tokens"))
-            details = usage.get("prompt_tokens_details")
-            fwd.cached_tokens = (
-                _count(details.get("cached_tokens")) if isinstance(details, dict) else None
-            )
+            fwd.input_tokens, fwd.output_tokens, fwd.cached_tokens = row.counts(usage)
 
 
 def _all_failed(
@@ -221,8 +231,3 @@ def _attempt_outcome(exc: Retryable) -> str:
     if exc.reason.startswith("timeout"):
         return "timeout"
     return "connect_error" if exc.reason.startswith("connection") else "closed_early"
-
-
-def _count(v: Any) -> int | None:
-    """A usage count: a non-negative int, else unknown (a replica's nonsense counts as none)."""
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None

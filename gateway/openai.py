@@ -1,19 +1,21 @@
-"""Parse and check OpenAI request bodies (chat and completions); pure, no I/O.
+"""Parse and check OpenAI request bodies (chat and completions, and the pieces every JSON kind
+shares: `load_object`, `model_field`, `stream_fields`, `common_fields`); pure, no I/O.
 
 The raw bytes are kept and forwarded as they came: the gateway never re-encodes a body it did not
-have to change.
+have to change. The other endpoint kinds' checks are in `gateway/bodies.py`, the table of kinds in
+`gateway/kinds.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
 from .errors import BadRequest
 
-Kind = Literal["chat", "completions"]
+Kind = str  # an endpoint kind's name (gateway.kinds.KINDS): "chat", "completions", "embeddings", ...
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_TOKENS_CAP = 10_000_000
@@ -50,7 +52,7 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_messages(messages: Any) -> None:
+def check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty array", "messages")
     for i, m in enumerate(messages):
@@ -83,7 +85,7 @@ def _is_token(v: Any) -> bool:
     return _is_int(v) and 0 <= v <= MAX_TOKEN_ID
 
 
-def _check_prompt(prompt: Any) -> None:
+def check_prompt(prompt: Any) -> None:
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt:
@@ -116,7 +118,7 @@ def _too_deep(raw: bytes, body: Any) -> bool:
     return False
 
 
-def _optional_int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+def optional_int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
     v = body.get(key)
     if v is None:
         return None
@@ -127,8 +129,8 @@ def _optional_int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | Non
     return int(v)
 
 
-def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
-    """Check the fields the gateway relies on; the replica checks the rest."""
+def load_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object (400 `invalid_json` otherwise; 400 when nested too deep)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -137,22 +139,23 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
         raise _bad("The request body must be a JSON object", code="invalid_json")
     if _too_deep(raw, body):
         raise _bad(f"The request body nests arrays and objects deeper than {MAX_DEPTH} levels")
+    return body
 
+
+def model_field(body: dict[str, Any], required: bool = True) -> str:
+    """The `model`; "" when it may be left out and is (the default pool serves it)."""
     model = body.get("model")
     if model is None:
-        raise _bad("'model' is required", "model")
+        if required:
+            raise _bad("'model' is required", "model")
+        return ""
     if not isinstance(model, str) or not model:
         raise _bad("'model' must be a non-empty string", "model")
+    return model
 
-    if kind == "chat":
-        if "messages" not in body:
-            raise _bad("'messages' is required", "messages")
-        _check_messages(body["messages"])
-    else:
-        if "prompt" not in body:
-            raise _bad("'prompt' is required", "prompt")
-        _check_prompt(body["prompt"])
 
+def stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
+    """`stream` and `stream_options.include_usage`, checked."""
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -169,12 +172,11 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
                 "'stream_options.include_usage' must be a boolean", "stream_options.include_usage"
             )
         include_usage = iu
+    return stream, include_usage
 
-    max_tokens = _optional_int(body, "max_tokens", 1, MAX_TOKENS_CAP)
-    mct = _optional_int(body, "max_completion_tokens", 1, MAX_TOKENS_CAP)
-    if mct is not None:
-        max_tokens = mct
-    _optional_int(body, "n", 1, 128)
+
+def common_fields(body: dict[str, Any]) -> str | None:
+    """Check the sampling numbers, `priority` and `user` every kind may carry; returns `user`."""
     for key in _NUMBER_FIELDS:
         v = body.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
@@ -185,7 +187,28 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad("'user' must be a string", "user")
+    return user
 
+
+def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
+    """Check the fields the gateway relies on (chat or completions); the replica checks the rest."""
+    body = load_object(raw)
+    model = model_field(body)
+    if kind == "chat":
+        if "messages" not in body:
+            raise _bad("'messages' is required", "messages")
+        check_messages(body["messages"])
+    else:
+        if "prompt" not in body:
+            raise _bad("'prompt' is required", "prompt")
+        check_prompt(body["prompt"])
+    stream, include_usage = stream_fields(body)
+    max_tokens = optional_int(body, "max_tokens", 1, MAX_TOKENS_CAP)
+    mct = optional_int(body, "max_completion_tokens", 1, MAX_TOKENS_CAP)
+    if mct is not None:
+        max_tokens = mct
+    optional_int(body, "n", 1, 128)
+    user = common_fields(body)
     return ParsedRequest(
         kind=kind,
         raw=raw,

@@ -1,7 +1,8 @@
 """The OpenAPI 3.0 document of the gateway's public endpoints, served at `GET /openapi.json`.
 
-It states what the gateway itself checks (see `gateway/openai.py`), not all of the OpenAI API: any
-other field passes through to the replica untouched. Admin and debug routes are left out on
+It states what the gateway itself checks (see `gateway/openai.py`; the other endpoint kinds'
+operations are in `gateway/openapi_kinds.py`), not all of the OpenAI API: any other field passes
+through to the replica untouched. `passthrough:` paths depend on the config and are not listed. Admin and debug routes are left out on
 purpose. Fuzzers (schemathesis, `tests/chaos/test_fuzz_openapi.py`) run against this document.
 """
 
@@ -11,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .openai import MAX_DEPTH, MAX_TOKEN_ID, MAX_TOKENS_CAP
+from .openapi_kinds import kind_paths, request_schemas
 from .version import gateway_version
 
 __all__ = ["openapi_document"]
@@ -171,6 +173,8 @@ def _schemas(classes: list[str]) -> dict[str, Any]:
                 },
             },
         },
+        **request_schemas(),
+        "Answer": {"type": "object", "description": "The replica's answer, relayed unchanged."},
         "Completion": {
             "type": "object",
             "required": ["choices"],
@@ -271,6 +275,7 @@ def openapi_document(
             "/v1/completions": _proxy_path(
                 "Text completion, routed to a replica", "CompletionRequest", "completions", classes
             ),
+            **kind_paths(_headers(classes), _errors(*_PROXY_ERRORS), _ref("Answer")),
             "/v1/models": {
                 "get": {
                     "operationId": "models",

@@ -15,7 +15,8 @@ import orjson
 
 from .errors import GatewayError, NoReplicaAvailable, NotFound
 from .failover import Failover, Outbound
-from .openai import Kind, ParsedRequest, parse_body
+from .kinds import EndpointKind
+from .openai import ParsedRequest
 from .pools import Pool
 from .proxy import with_stream_usage
 from .ratelimit import Rule, costs_for, rate_limited
@@ -23,6 +24,7 @@ from .ratelimit import headers as ratelimit_headers
 from .record import Record, Recorder
 from .router import Dispatch, Prompt, RouteInput, Routing, cache_salt
 from .snapshot import Snapshot
+from .sticky import ResponseHomes
 from .tenants import Tenant, requested_priority
 from .types import Headers, Send
 
@@ -37,34 +39,40 @@ class Pipeline:
         self.gw = gateway
         self.failover = Failover(gateway)
         self.recorder = Recorder(gateway)
+        self.homes = ResponseHomes()  # /v1/responses: which replica made each response
 
     async def handle(
-        self, snap: Snapshot, kind: Kind, raw: bytes, headers: RawHeaders, tenant: Tenant,
+        self, snap: Snapshot, kind: EndpointKind, raw: bytes, headers: RawHeaders, tenant: Tenant,
         send: Send, rec: Record,
     ) -> None:  # fmt: skip
-        """One request on `snap`; `tenant` was identified by the endpoint before the body."""
-        req = parse_body(kind, raw)
+        """One request of `kind` on `snap`; `tenant` was identified by the endpoint before the body."""
+        req = kind.parse(raw, headers.get(b"content-type"))
         asked = requested_priority(headers.get(b"x-priority"), req.body)
         rec.model, rec.stream = req.model, req.stream
         rec.priority = snap.tenants.priority_for(tenant, asked)
-        prompt = snap.router.prompt(req)
+        prompt = snap.router.prompt(req, kind.prompt)
         pool = pick_pool(snap, req, prompt.tokens)
         rec.pool, rec.prompt_tokens = pool.name, prompt.tokens
         extra: Headers = [(b"x-request-id", rec.request_id.encode("latin-1"))]
         rec.charged, limit_headers = await self.limit(snap, tenant, req, prompt.tokens)
         extra += limit_headers
         routing = await self.route(snap, pool, req, prompt, route_input(rec, headers, tenant), rec)
-        first = await self.admit(snap, pool, tenant, routing, rec)
+        home = self.homes.home(req.body.get("previous_response_id"), pool.name) if kind.sticky else None
+        first = await self.admit(snap, pool, tenant, routing, rec, home)
         if explained(snap, headers):
             extra.append(decision_header(routing))
-        body = upstream_body(snap, req, rec.priority, tenant.cache_salt)
+        body = upstream_body(snap, req, rec.priority, tenant.cache_salt, kind.fields)
+        ctype = headers.get(b"content-type") if kind.client_content_type else None
         out = Outbound(
-            snap.router, pool, req, routing, body, upstream_headers(pool, rec), extra,
+            snap.router, pool, req, routing, body, upstream_headers(pool, rec, ctype), extra,
             snap.config.server.expose_upstream_errors, snap.config.server.max_answer_bytes_in_flight,
+            kind,
         )  # fmt: skip
         sent = await self.failover.forward(out, first, send, rec.sent)
         if sent.error is not None:
             raise sent.error
+        if sent.answer_id is not None and sent.status == 200:
+            self.homes.learn(sent.answer_id, pool.name, sent.replica)
 
     # --- the steps -------------------------------------------------------------------------------
     async def limit(
@@ -110,15 +118,21 @@ class Pipeline:
         return routing
 
     async def admit(
-        self, snap: Snapshot, pool: Pool, tenant: Tenant, routing: Routing, rec: Record
-    ) -> Dispatch:
+        self, snap: Snapshot, pool: Pool, tenant: Tenant, routing: Routing, rec: Record,
+        home: str | None = None,
+    ) -> Dispatch:  # fmt: skip
         """Wait for a slot in the pool's admission queue, choose a replica, dispatch to it (before
-        the next request is admitted, so that it sees this one's load and blocks)."""
+        the next request is admitted, so that it sees this one's load and blocks). `home`: the
+        replica holding the response this one continues, first while the policy keeps it."""
         slot = snap.admission.slot(pool.name, tenant.name, tenant.weight, rec.priority, pool.has_capacity)
         async with slot as waited:
             rec.t_admitted = time.perf_counter_ns()
             self.recorder.queue_wait(pool.name, rec.priority, waited)
             decision = snap.router.choose(pool, routing)
+            if home is not None and home in decision.ranked:
+                decision.ranked.remove(home)
+                decision.ranked.insert(0, home)
+                decision.reason = "previous_response"
             rec.t_routed = time.perf_counter_ns()
             rec.routed(routing, decision)
             self.recorder.decision(pool, routing, decision)
@@ -147,11 +161,22 @@ class Pipeline:
 
 
 def pick_pool(snap: Snapshot, req: ParsedRequest, prompt_tokens: int) -> Pool:
-    name = snap.config.pool_for(req.model, prompt_tokens)
+    """The route's pool for the model; a request naming no model (kinds where vLLM allows that)
+    goes to the default pool: the first route that takes any model, else the first pool."""
+    config = snap.config
+    name = config.pool_for(req.model, prompt_tokens) if req.model else default_pool(snap, prompt_tokens)
     if name is None:
         model = req.model if len(req.model) <= 64 else req.model[:64] + "…"
         raise NotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
     return snap.pools[name]
+
+
+def default_pool(snap: Snapshot, prompt_tokens: int) -> str:
+    config = snap.config
+    for route in config.routes:
+        if route.match.matches("", prompt_tokens):
+            return route.pool
+    return next(iter(config.pools))
 
 
 def request_id(headers: RawHeaders) -> str:
@@ -177,9 +202,10 @@ def decision_header(routing: Routing) -> tuple[bytes, bytes]:
     return b"x-gateway-decision", orjson.dumps(routing.decision.explain())
 
 
-def upstream_headers(pool: Pool, rec: Record) -> Headers:
+def upstream_headers(pool: Pool, rec: Record, content_type: bytes | None = None) -> Headers:
+    """`content_type`: the client's, for a body sent on as it came (multipart, passthrough)."""
     out = [
-        (b"content-type", b"application/json"),
+        (b"content-type", content_type or b"application/json"),
         (b"accept-encoding", b"identity"),
         (b"x-request-id", rec.request_id.encode("latin-1")),
     ]
@@ -194,10 +220,16 @@ def upstream_headers(pool: Pool, rec: Record) -> Headers:
     return out
 
 
-def upstream_body(snap: Snapshot, req: ParsedRequest, priority: str, tenant_salt: str | None) -> bytes:
-    """The body as sent on: unchanged bytes unless the gateway must add or remove a field."""
+def upstream_body(
+    snap: Snapshot, req: ParsedRequest, priority: str, tenant_salt: str | None,
+    fields: frozenset[str] = frozenset({"cache_salt", "priority"}),
+) -> bytes:  # fmt: skip
+    """The body as sent on: unchanged bytes unless the gateway must add or remove a field.
+    `fields`: the engine fields the gateway may set for this kind (none: the body goes as it came)."""
+    if not fields:
+        return req.raw
     changes: dict[str, object] = {}
-    if tenant_salt is not None:  # the engine keeps this tenant's KV apart from others'
+    if tenant_salt is not None and "cache_salt" in fields:  # the engine keeps this tenant's KV apart
         changes["cache_salt"] = cache_salt(req, tenant_salt)
     if "priority" in req.body:
         # the engine's priority is the gateway's to set: a class name is ours, and a client's

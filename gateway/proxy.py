@@ -86,8 +86,14 @@ async def open_upstream(
     total_s: float,
     answers: AnswerBudget | None = None,
     answers_cap: int | None = None,
+    *,
+    method: bytes = b"POST",
+    json_answer: bool = True,
 ) -> Opened:
     """Send the request and wait for its first body bytes (all of them when not streaming).
+
+    A non-streamed 200 is parsed as a JSON object (`Opened.parsed`); with `json_answer` one that is
+    not is a broken replica (retried), else it is relayed as it came (`parsed` None).
 
     Raises Retryable for everything that may be retried elsewhere: connect errors, a timeout
     before the first byte, 502/503/504, or a connection that broke before any byte; ServerBusy
@@ -99,7 +105,7 @@ async def open_upstream(
     try:
         resp = await pool.request(
             origin,
-            b"POST",
+            method,
             path,
             headers,
             body,
@@ -123,7 +129,7 @@ async def open_upstream(
                 first, charged = await _read_charged(resp, answers, answers_cap)
             if resp.status == 200:
                 parsed = _json_object(first)
-                if parsed is None:
+                if parsed is None and json_answer:
                     raise Retryable("the replica's answer is not a JSON object")
                 return Opened(resp, first, parsed, answers, charged)
             return Opened(resp, first, None, answers, charged)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple
 
 from policies.types import Decision, Outcome, ReplicaView, RoutedRequest
 from prefix_index.chunking import scope_key
 
+from .kinds import KINDS, PromptOf
 from .openai import ParsedRequest
 
 if TYPE_CHECKING:
@@ -87,12 +88,12 @@ class Router:
         self.index = index
 
     # --- hash ------------------------------------------------------------------------------
-    def prompt(self, req: ParsedRequest) -> Prompt:
+    def prompt(self, req: ParsedRequest, of: PromptOf | None = None) -> Prompt:
+        """What of `req` is hashed and its estimated tokens, by its kind's `prompt` (`of`, else
+        the row of `req.kind` in the kinds table): "" when the kind routes by load alone."""
         t0 = time.perf_counter_ns()
-        chunker = self.chunker
-        prompt = prompt_of(req, chunker)
-        tokens = chunker.estimate_tokens(prompt) if isinstance(prompt, str) else len(prompt)
-        return Prompt(prompt, tokens, time.perf_counter_ns() - t0)
+        text, tokens = (of or KINDS[req.kind].prompt)(req, self.chunker)
+        return Prompt(text, tokens, time.perf_counter_ns() - t0)
 
     def prepare(
         self,
@@ -183,16 +184,6 @@ class Router:
         d = Dispatch(self.index, pool, pool.by_name[name], view, routing.routed)
         await d.record()
         return d
-
-
-def prompt_of(req: ParsedRequest, chunker: Chunker) -> str | Sequence[int]:
-    """The prompt as the engine will see it: a chat rendered, a completion string, or ids."""
-    if req.kind == "chat":
-        return chunker.chat_prompt(req.messages)
-    prompt = req.prompt
-    if isinstance(prompt, list) and isinstance(prompt[0], list | str):
-        prompt = prompt[0]  # a batch: route by its first prompt
-    return cast("str | Sequence[int]", prompt)  # parse_body checked its shape
 
 
 class Dispatch:

@@ -21,6 +21,7 @@ __all__ = [
     "chatml_template",
     "engine_messages",
     "load_chat_template",
+    "responses_messages",
     "special_tokens",
 ]
 
@@ -188,9 +189,81 @@ def content_text(content: Any) -> str:
     return "\n".join([*media, text]) if media else text
 
 
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})  # vLLM parses all three as text
+
+
 def _is_text(part: Mapping[str, Any]) -> bool:
     kind = part.get("type")
-    return kind == "text" or (kind is None and "text" in part)
+    return kind in _TEXT_PARTS or (kind is None and "text" in part)
+
+
+def responses_messages(instructions: Any, items: Any) -> list[dict[str, Any]]:
+    """A `/v1/responses` request's `instructions` and `input` as the chat messages vLLM renders
+    for it (its `construct_input_messages`): the instructions as a system message, a string input
+    as a user message; of the items, a `function_call` joins the previous assistant message's
+    tool calls (else starts one), a `function_call_output` is a tool message, an assistant message
+    keeps its first part's text, and other messages keep their role and content (`input_text` and
+    `output_text` parts are text parts). Only role, content, name and tool calls are kept, so the
+    rendering is a chat's with the same messages. A stored conversation named by
+    `previous_response_id` goes between the two on the engine; the gateway does not know it.
+    """
+    out: list[dict[str, Any]] = []
+    if isinstance(instructions, str) and instructions:
+        out.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        out.append({"role": "user", "content": items})
+        return out
+    for item in items if isinstance(items, list) else ():
+        if isinstance(item, Mapping):
+            _responses_item(item, out)
+    return out
+
+
+def _responses_item(item: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+    kind, role = item.get("type"), item.get("role")
+    prev = out[-1] if out and out[-1].get("role") == "assistant" else None
+    if kind == "function_call":
+        call = {
+            "id": item.get("call_id"),
+            "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+        }
+        if prev is not None:
+            prev.setdefault("tool_calls", []).append(call)
+        else:
+            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        out.append({"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")})
+    elif kind == "reasoning":
+        if prev is None:
+            out.append({"role": "assistant", "content": None})
+    elif role == "assistant":
+        content = item.get("content")
+        if isinstance(content, list):
+            first = content[0] if content else ""
+            content = first.get("text", "") if isinstance(first, Mapping) else first
+        if prev is not None and prev.get("content") is None:
+            prev["content"] = content
+        else:
+            out.append({"role": "assistant", "content": content})
+    elif isinstance(role, str):
+        msg: dict[str, Any] = {"role": role, "content": _text_parts(item.get("content"))}
+        if isinstance(item.get("name"), str):
+            msg["name"] = item["name"]
+        out.append(msg)
+
+
+def _text_parts(content: Any) -> Any:
+    """Content with `input_text` / `output_text` parts as `text` parts (so bytes mode, which
+    knows chat's part types, renders them as text too)."""
+    if not isinstance(content, list):
+        return content
+    return [
+        {"type": "text", "text": p.get("text", "")}
+        if isinstance(p, Mapping) and p.get("type") in _TEXT_PARTS
+        else p
+        for p in content
+    ]
 
 
 def _tool_call(call: Any) -> Any:

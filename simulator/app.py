@@ -1,4 +1,5 @@
-"""The replica's HTTP surface: vLLM's OpenAI endpoints plus the simulator's /sim/* switches.
+"""The replica's HTTP surface: vLLM's OpenAI endpoints (chat, completions, responses, the pooling
+and tokenizer endpoints, audio) plus the simulator's /sim/* switches.
 
 `create_app(parts)` builds a Starlette app from the `AppParts` one replica hands it; nothing
 lives at module level.
@@ -17,10 +18,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from simulator import audio, pooling
 from simulator.faults import Fault, FaultSwitch
 from simulator.kv_cache import PrefixCache
 from simulator.metrics import CONTENT_TYPE
 from simulator.openai_api import ApiError, bad
+from simulator.responses import ResponsesService
 from simulator.serving import CompletionService
 from simulator.tokenizer import Tokenizer
 
@@ -58,6 +61,13 @@ async def _json_body(request: Request) -> Any:
         raise bad("the request body is not valid JSON") from None
 
 
+POOLED = {  # path -> the answer for a parsed body (simulator/pooling.py)
+    "/v1/embeddings": pooling.embeddings, "/pooling": pooling.pooling,
+    "/classify": pooling.classify, "/score": pooling.score, "/v1/score": pooling.score,
+    "/rerank": pooling.rerank, "/v1/rerank": pooling.rerank, "/v2/rerank": pooling.rerank,
+}
+
+
 def create_app(parts: AppParts) -> Starlette:
     service, tok, max_model_len = parts.service, parts.tokenizer, parts.max_model_len
     created = int(time.time())
@@ -67,6 +77,30 @@ def create_app(parts: AppParts) -> Starlette:
 
     async def completions(request: Request) -> Response:
         return await service.handle(request, chat=False)
+
+    responses = ResponsesService(service)
+
+    async def create_response(request: Request) -> Response:
+        return await responses.handle(request)
+
+    async def pooled(request: Request) -> Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != parts.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+        if request.url.path == "/detokenize":
+            return json_response(pooling.detokenize(body, tok))
+        return json_response(POOLED[request.url.path](body, tok, parts.model_name))
+
+    async def audio_upload(request: Request) -> Response:
+        answer, is_json = audio.transcribe(await request.body(),
+                                           request.headers.get("content-type", ""),
+                                           parts.model_name)
+        if is_json:
+            return json_response(answer)
+        return Response(answer.encode(), media_type="text/plain; charset=utf-8")
 
     async def models(request: Request) -> Response:
         name = parts.model_name
@@ -179,6 +213,11 @@ def create_app(parts: AppParts) -> Starlette:
         Route("/load", load, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", pooled, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        *(Route(path, pooled, methods=["POST"]) for path in POOLED),
+        Route("/v1/audio/transcriptions", audio_upload, methods=["POST"]),
+        Route("/v1/audio/translations", audio_upload, methods=["POST"]),
         Route("/sim/stats", sim_stats, methods=["GET"]),
         Route("/sim/stats/reset", sim_stats_reset, methods=["POST"]),
         Route("/sim/fault", sim_fault, methods=["GET", "POST"]),

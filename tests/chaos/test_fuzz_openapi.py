@@ -12,6 +12,7 @@ import httpx
 import schemathesis
 from hypothesis import HealthCheck, settings
 
+from gateway.kinds import PATHS
 from gateway.openapi import openapi_document
 from tests.chaos.conftest import TENANT_KEY, GatewayProc
 
@@ -24,6 +25,7 @@ def test_document_is_served_and_lists_the_public_endpoints(gw: GatewayProc) -> N
     assert set(doc["paths"]) == {
         "/v1/chat/completions",
         "/v1/completions",
+        *PATHS,  # every proxied endpoint kind (gateway/kinds.py)
         "/v1/models",
         "/v1/models/{model_id}",
         "/version",

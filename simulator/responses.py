@@ -1,0 +1,233 @@
+"""`/v1/responses` on the simulated engine: the request's `instructions` and `input` become chat
+messages as vLLM builds them, the engine generates (prefix cache, batching, KV events as for a
+chat), and the answer is a Response object, or an SSE stream of vLLM's events (`response.created`,
+`response.in_progress`, `response.output_item.added`, `response.content_part.added`,
+`response.output_text.delta`..., `.done`s, then `response.completed`, or `response.incomplete`
+when `max_output_tokens` cut it), no `[DONE]`.
+
+Responses are stored (bounded, per replica) so that `previous_response_id` continues one: its
+conversation goes between the instructions and the new input; an id this replica does not hold is
+a 404, as vLLM answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from simulator.openai_api import ApiError, bad
+from simulator.sequence import Sequence
+from simulator.serving import CompletionService, until_disconnect
+
+MAX_STORED = 10_000
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def input_messages(items: Any) -> list[dict[str, Any]]:
+    """vLLM's construct_input_messages (less the instructions), for the simulator (which imports nothing of the gateway;
+    prefix_index.templates.responses_messages is the gateway's copy)."""
+    out: list[dict[str, Any]] = []
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    for item in items if isinstance(items, list) else ():
+        if not isinstance(item, Mapping):
+            raise bad("input items must be objects", "input")
+        kind, role = item.get("type"), item.get("role")
+        prev = out[-1] if out and out[-1].get("role") == "assistant" else None
+        if kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if prev is not None:
+                prev.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "content": item.get("output"),
+                        "tool_call_id": item.get("call_id")})
+        elif kind == "reasoning":
+            if prev is None:
+                out.append({"role": "assistant", "content": None})
+        elif role == "assistant":
+            content = item.get("content")
+            if isinstance(content, list):
+                first = content[0] if content else ""
+                content = first.get("text", "") if isinstance(first, Mapping) else first
+            if prev is not None and prev.get("content") is None:
+                prev["content"] = content
+            else:
+                out.append({"role": "assistant", "content": content})
+        elif isinstance(role, str):
+            content = item.get("content")
+            if isinstance(content, list):
+                content = [{"type": "text", "text": p.get("text", "")}
+                           if isinstance(p, Mapping) and p.get("type") in TEXT_PARTS else p
+                           for p in content]
+            out.append({"role": role, "content": content})
+    return out
+
+
+class ResponsesService:
+    """What `/v1/responses` does, on the chat service's engine, tokenizer and fault switch."""
+
+    def __init__(self, service: CompletionService) -> None:
+        self.service = service
+        self.stored: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+
+    async def handle(self, request: Request) -> Response:
+        svc = self.service
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            raise bad("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != svc.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+        instructions = body.get("instructions")
+        messages = [{"role": "system", "content": instructions}] if instructions else []
+        prev_id = body.get("previous_response_id")
+        if prev_id is not None:
+            history = self.stored.get(prev_id) if isinstance(prev_id, str) else None
+            if history is None:
+                raise ApiError(404, f"Response with id '{prev_id}' not found.",
+                               "previous_response_id")
+            messages += history
+        if not isinstance(body.get("input"), str | list):
+            raise bad("input must be a string or a list of items", "input")
+        messages += input_messages(body.get("input"))
+        max_tokens = body.get("max_output_tokens")
+        if max_tokens is not None and (isinstance(max_tokens, bool)
+                                       or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise bad("max_output_tokens must be an integer >= 1", "max_output_tokens")
+        try:
+            prompt = svc.tok.encode_chat(messages, True)
+        except ValueError as exc:
+            raise bad(str(exc), "input") from None
+        if len(prompt) + (max_tokens or 1) > svc.max_model_len:
+            raise bad(f"This model's maximum context length is {svc.max_model_len} tokens.",
+                      "input")
+        fault = svc.faults.take()
+        if fault is not None and fault.mode in ("error_503", "error_500"):
+            raise ApiError(503 if fault.mode == "error_503" else 500, f"simulated fault {fault.mode}")
+        events: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
+        rid = uuid.uuid4().hex
+        seq = svc.runner.submit(f"resp-{rid}", prompt, max_tokens=max_tokens,
+                                cache_salt=body.get("cache_salt"),
+                                sink=lambda s: events.put_nowait((s.output[-1], s.finish_reason)))
+        answer = _Answer(f"resp_{rid}", svc.model_name, body, seq)
+        history = [m for m in messages if m.get("role") != "system"]
+        if body.get("stream") is True:
+            return StreamingResponse(self._stream(answer, events, history),
+                                     media_type="text/event-stream")
+        work = asyncio.ensure_future(self._collect(answer, events))
+        gone = asyncio.ensure_future(until_disconnect(request.receive))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (work, gone):
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            if not seq.finished:
+                svc.runner.abort(seq)
+        self._store(answer, history)
+        return Response(orjson.dumps(answer.response()), media_type="application/json")
+
+    async def _collect(self, answer: _Answer, events: asyncio.Queue[tuple[int, str | None]]) -> None:
+        while True:
+            token, reason = await events.get()
+            answer.text.append(self.service.tok.decode_filler(token))
+            if reason is not None:
+                answer.reason = reason
+                return
+
+    def _store(self, answer: _Answer, history: list[dict[str, Any]]) -> None:
+        if answer.reason is None:
+            return
+        self.stored[answer.id] = [*history, {"role": "assistant", "content": "".join(answer.text)}]
+        while len(self.stored) > MAX_STORED:
+            self.stored.popitem(last=False)
+
+    async def _stream(self, a: _Answer, events: asyncio.Queue[tuple[int, str | None]],
+                      history: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+        seq_no = iter(range(1 << 62))
+
+        def event(kind: str, **fields: Any) -> bytes:
+            obj = {"type": kind, "sequence_number": next(seq_no), **fields}
+            return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+        item = {"id": a.msg_id, "type": "message", "role": "assistant", "status": "in_progress",
+                "content": []}
+        where = {"item_id": a.msg_id, "output_index": 0, "content_index": 0}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": None}
+        try:
+            yield event("response.created", response=a.response("in_progress"))
+            yield event("response.in_progress", response=a.response("in_progress"))
+            yield event("response.output_item.added", output_index=0, item=item)
+            yield event("response.content_part.added", **where, part=part)
+            while a.reason is None:
+                token, a.reason = await events.get()
+                piece = self.service.tok.decode_filler(token)
+                a.text.append(piece)
+                yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
+            text = "".join(a.text)
+            yield event("response.output_text.done", **where, text=text, logprobs=[])
+            yield event("response.content_part.done", **where, part={**part, "text": text})
+            yield event("response.output_item.done", output_index=0, item=a.message())
+            final = a.response()
+            yield event(f"response.{final['status']}", response=final)
+            self._store(a, history)
+        finally:
+            if not a.seq.finished:
+                self.service.runner.abort(a.seq)
+
+
+class _Answer:
+    """One response as it is generated: its ids, text so far and how it ended."""
+
+    def __init__(self, rid: str, model: str, body: Mapping[str, Any], seq: Sequence) -> None:
+        self.id, self.model, self.body, self.seq = rid, model, body, seq
+        self.msg_id = "msg_" + rid[5:]
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.reason: str | None = None
+
+    def message(self) -> dict[str, Any]:
+        return {"id": self.msg_id, "type": "message", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "".join(self.text), "annotations": [],
+                             "logprobs": None}]}
+
+    def response(self, status: str | None = None) -> dict[str, Any]:
+        seq, body = self.seq, self.body
+        if status is None:
+            status = "incomplete" if self.reason == "length" else "completed"
+        done = status != "in_progress"
+        out = len(seq.output)
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
+            "status": status, "background": False, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": body.get("metadata"), "parallel_tool_calls": True,
+            "previous_response_id": body.get("previous_response_id"), "reasoning": None,
+            "service_tier": "auto", "temperature": body.get("temperature", 1.0),
+            "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+            "top_p": body.get("top_p", 1.0), "truncation": "disabled", "user": body.get("user"),
+            "output": [self.message()] if done else [],
+            "usage": {
+                "input_tokens": seq.prompt_len,
+                "input_tokens_details": {"cached_tokens": seq.cached_tokens},
+                "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": seq.prompt_len + out,
+            } if done else None,
+        }
