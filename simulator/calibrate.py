@@ -8,17 +8,22 @@ Fits, by weighted least squares on relative error (no per-row terms, nothing loo
 - shared by the GPUs in the data (same tensor cores, launch path and NVLink): `mfu`,
   `layer_us` (the per-layer kernel floor of a step) and `allreduce_us` (one all-reduce's
   latency under TP);
-- for the engine: `request_ms` and `request_us_per_token` (the time a request spends outside
-  engine steps). `step_us_per_seq` is kept at the profile's value: with one model in the
-  data it is collinear with the KV read and drives MBU to 1.
+- for the engine: `step_us_per_seq` (CPU time per running sequence and step), `request_ms`
+  and `request_us_per_token` (the time a request spends outside engine steps).
 
 TPOT of a closed loop of c clients is one decode step of c sequences (fixed costs, weights and
-KV over bandwidth) plus the prefills the others interleave (c x prefill compute / osl);
-TTFT at low concurrency is the request latency plus its prefill (plus the burst of the
-benchmark's first round, shared over its rounds) plus half a decode step of waiting. Both are
-linear in the unknowns (1/mbu, 1/mfu, the latencies), so alternating the two fits converges in
-a few rounds. Rows whose KV demand exceeds the cache (queueing, preemption) are left out of
-the fit. The profile written is a YAML of `gpus:` and `engines:` fields that
+KV over bandwidth, the per-sequence cost) plus the prefills the others interleave (c x prefill
+compute / osl); TTFT at low concurrency is the request latency plus its prefill (plus the burst
+of the benchmark's first round, shared over its rounds) plus half a decode step of waiting.
+Both are linear in the unknowns (1/mbu, 1/mfu, the latencies) and are fitted together. Then
+`--des-passes` passes replay the rows in the DES and refit with what the DES adds beyond the
+closed forms (queueing, mixed steps, jitter), so the values are those of the simulator. Rows
+whose KV demand exceeds the cache (queueing, preemption) are left out of the fit.
+
+The KV cache dtype the benchmarks ran with is not in the CSV: `infer_kv_dtypes` picks it per
+GPU from the rows that overflow the cache under some candidate (replayed under each).
+
+The profile written is a YAML of `gpus:` and `engines:` fields that
 `python -m simulator.fidelity --profile` and `Profiles.load` put over the shipped ones.
 """
 
@@ -28,11 +33,13 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from simulator.config import build_config
 from simulator.fidelity import (
+    BENCHMARK_KV_CACHE_DTYPE,
     REQUESTS_PER_CLIENT,
     Profiles,
     Row,
@@ -43,6 +50,8 @@ from simulator.fidelity import (
     split,
 )
 from simulator.perf_model import PerfModel
+
+DES_PASSES = 3  # refits against the DES (each replays the rows once: ~10 s)
 
 
 def _solve(a: list[list[float]], b: list[float], w: list[float]) -> list[float]:
@@ -101,60 +110,112 @@ def fits_in_cache(row: Row, perf: PerfModel) -> bool:
     return row.concurrency * (row.isl + row.osl) <= perf.kv_capacity_tokens
 
 
-def fit(rows: Sequence[Row], profiles: Profiles, *, kv_cache_dtype: str = "auto",
-        rounds: int = REQUESTS_PER_CLIENT, iterations: int = 6) -> Fit:
+def _vector(f: Fit, gpus: Sequence[str]) -> list[float]:
+    """The fit as the unknowns of the least squares."""
+    return ([f.layer_us * 1e-6, f.allreduce_us * 1e-6] + [1.0 / f.mbu[g] for g in gpus]
+            + [f.step_us_per_seq * 1e-6, 1.0 / f.mfu, f.request_ms * 1e-3,
+               f.request_us_per_token * 1e-6])
+
+
+def _equations(r: Row, pm: PerfModel, gpus: Sequence[str], rounds: int
+               ) -> list[tuple[str, list[float], float, float]]:
+    """("tpot" | "ttft", coefficients, known seconds, measured seconds) of one row.
+
+    x = [layer floor (s), all-reduce (s), 1/mbu per GPU, s per sequence, 1/mfu, request
+    latency (s), request latency per prompt token (s)]."""
+    m, c, g = pm.model, r.concurrency, pm.gpu
+    bw = g.hbm_bytes_per_s * pm.tp  # at MBU 1
+    kv = c * (r.isl + r.osl / 2) * pm.kv_read_bytes_per_token_per_gpu * pm.tp
+    compute = pm.prefill_time(r.isl) * g.mfu  # one prompt's prefill at MFU 1
+    # TPOT: one decode step of c sequences + the c prefills interleaved per osl steps
+    tpot = [float(m.layers), 2.0 * m.layers if pm.tp > 1 else 0.0]
+    tpot += [(pm.weight_bytes_read + kv) / bw if g.key == k else 0.0 for k in gpus]
+    tpot += [float(c), c * compute / r.osl, 0.0, 0.0]
+    out = [("tpot", tpot, pm.engine.step_ms * 1e-3 + c * pm.comm_s_per_token,
+            r.tpot_ms * 1e-3)]
+    if c <= 8:
+        # TTFT: latency + prefill (the first round's burst queues its prompts) + the wait
+        # for the decode step in flight
+        burst = 1.0 + (c - 1) / rounds
+        decode = pm.step_time(0, c, c * (r.isl + r.osl // 2))
+        ttft = [0.0] * (2 + len(gpus)) + [0.0, compute * burst, 1.0, float(r.isl)]
+        out.append(("ttft", ttft, 0.5 * decode + pm.step_overhead_s, r.ttft_ms * 1e-3))
+    return out
+
+
+def fit(rows: Sequence[Row], profiles: Profiles, *, kv_cache_dtype: str = "benchmark",
+        rounds: int = REQUESTS_PER_CLIENT, iterations: int = 6, des_passes: int = 0) -> Fit:
+    """One weighted least-squares fit of TPOT (every row that fits in the cache) and TTFT
+    (rows of at most 8 clients) together; the terms that depend on the fit itself (the wait
+    for a decode step) are refreshed over a few iterations.
+
+    With `des_passes`, each pass then replays the rows in the DES with the fit so far and
+    adds what the DES gives beyond the closed-form terms (queueing between clients, mixed
+    steps, jitter) to the known part of each equation before fitting again, so the fit is
+    that of the simulator the fidelity report runs."""
     gpus = sorted({profiles.gpu_for(r.gpu).key for r in rows})
-    first = profiles.gpus[gpus[0]]
+    first, eng = profiles.gpus[gpus[0]], profiles.engines["vllm"]
     cur = Fit(first.mfu, {g: profiles.gpus[g].mbu for g in gpus}, first.layer_us,
-              first.allreduce_us, profiles.engines["vllm"].request_ms,
-              profiles.engines["vllm"].request_us_per_token,
-              profiles.engines["vllm"].step_us_per_seq)
-    for _ in range(iterations):
+              first.allreduce_us, eng.request_ms, eng.request_us_per_token, eng.step_us_per_seq)
+    n_g = len(gpus)
+    extra: dict[tuple[Any, ...], dict[str, float]] = {}  # DES minus closed form, per row
+    for pass_no in range(des_passes + 1):
+        for _ in range(iterations):
+            p = profiles.with_overrides(*cur.overrides(profiles))
+            a, b, w = [], [], []
+            for r in rows:
+                pm = _perf(r, p, kv_cache_dtype)
+                if not fits_in_cache(r, pm):
+                    continue  # queueing and preemption: not a closed form
+                for kind, coef, known, measured in _equations(r, pm, gpus, rounds):
+                    a.append(coef)
+                    b.append(measured - known - extra.get(r.key, {}).get(kind, 0.0))
+                    w.append(1.0 / measured ** 2)
+            x = _solve(a, b, w)
+            inv_mfu = x[3 + n_g]
+            cur = Fit(min(1.0, max(0.1, 1.0 / inv_mfu)) if inv_mfu > 0 else cur.mfu,
+                      {k: min(1.0, max(0.3, 1.0 / x[2 + i])) if x[2 + i] > 0 else cur.mbu[k]
+                       for i, k in enumerate(gpus)},
+                      max(0.0, x[0]) * 1e6, max(0.0, x[1]) * 1e6, max(0.0, x[4 + n_g]) * 1e3,
+                      max(0.0, x[5 + n_g]) * 1e6, max(0.0, x[2 + n_g]) * 1e6)
+        if pass_no == des_passes:
+            break
         p = profiles.with_overrides(*cur.overrides(profiles))
-        perfs = [(r, _perf(r, p, kv_cache_dtype)) for r in rows]
-        usable = [(r, pm) for r, pm in perfs if fits_in_cache(r, pm)]
-        # TPOT: x = [layer floor (s per layer), all-reduce latency (s), 1/mbu per GPU]
-        a, b, w = [], [], []
-        for r, pm in usable:
-            m, c = pm.model, r.concurrency
-            bw = pm.gpu.hbm_bytes_per_s * pm.tp  # at MBU 1
-            kv = c * (r.isl + r.osl / 2) * pm.kv_bytes_per_token_per_gpu * pm.tp
-            read = pm.weight_bytes_read + kv
-            prefill = c * pm.prefill_time(r.isl) / r.osl  # interleaved prefills
-            known = pm.engine.step_ms * 1e-3 + prefill + c * pm.comm_s_per_token
-            known += c * pm.seq_s  # the per-sequence CPU cost is not fitted (collinear with KV)
-            row = [float(m.layers), 2.0 * m.layers if pm.tp > 1 else 0.0]
-            row += [read / bw if pm.gpu.key == g else 0.0 for g in gpus]
-            a.append(row)
-            b.append(r.tpot_ms * 1e-3 - known)
-            w.append(1.0 / (r.tpot_ms * 1e-3) ** 2)
-        x = _solve(a, b, w)
-        layer_s, ar_s = max(0.0, x[0]), max(0.0, x[1])
-        mbu = {g: min(1.0, max(0.3, 1.0 / x[2 + i])) if x[2 + i] > 0 else cur.mbu[g]
-               for i, g in enumerate(gpus)}
-        cur = Fit(cur.mfu, mbu, layer_s * 1e6, ar_s * 1e6, cur.request_ms,
-                  cur.request_us_per_token, cur.step_us_per_seq)
-        p = profiles.with_overrides(*cur.overrides(profiles))
-        # TTFT at low concurrency: x = [fixed latency (s), per token (s), 1/mfu]
-        a, b, w = [], [], []
-        for r, _ in usable:
-            if r.concurrency > 8:
-                continue
-            pm = _perf(r, p, kv_cache_dtype)
-            c = r.concurrency
-            compute = pm.prefill_time(r.isl) * pm.gpu.mfu  # at MFU 1
-            burst = 1.0 + (c - 1) / rounds  # the first round's prompts share one step
-            decode = pm.step_time(0, c, c * (r.isl + r.osl // 2))
-            known = 0.5 * decode + pm.step_overhead_s + c * pm.kv_read_s_per_token * r.isl
-            a.append([1.0, float(r.isl), compute * burst])
-            b.append(r.ttft_ms * 1e-3 - known)
-            w.append(1.0 / (r.ttft_ms * 1e-3) ** 2)
-        if a:
-            y = _solve(a, b, w)
-            mfu = min(1.0, max(0.1, 1.0 / y[2])) if y[2] > 0 else cur.mfu
-            cur = Fit(mfu, cur.mbu, cur.layer_us, cur.allreduce_us, max(0.0, y[0] * 1e3),
-                      max(0.0, y[1] * 1e6), cur.step_us_per_seq)
+        fitting = [r for r in rows if fits_in_cache(r, _perf(r, p, kv_cache_dtype))]
+        xv = _vector(cur, gpus)
+        for res in simulate_all(fitting, p, kv_cache_dtype=kv_cache_dtype):
+            r = res.row
+            sim = {"tpot": res.tpot_ms * 1e-3, "ttft": res.ttft_ms * 1e-3}
+            eqs = _equations(r, _perf(r, p, kv_cache_dtype), gpus, rounds)
+            extra[r.key] = {kind: sim[kind] - known
+                            - sum(ci * xi for ci, xi in zip(coef, xv, strict=True))
+                            for kind, coef, known, _ in eqs}
     return cur
+
+
+def infer_kv_dtypes(rows: Sequence[Row], profiles: Profiles,
+                    candidates: Sequence[str] = ("auto", "fp8")) -> dict[str, str]:
+    """The KV cache dtype each GPU's benchmarks most likely ran with (the CSV does not say).
+
+    Only the KV capacity tells them apart: for each GPU, the rows whose KV demand (clients x
+    (isl + osl)) exceeds the cache under some candidate are replayed in the DES under each,
+    and the candidate with the lowest mean TTFT error wins (a GPU with no such row keeps
+    "auto")."""
+    out: dict[str, str] = {}
+    by_gpu: dict[str, list[Row]] = {}
+    for r in rows:
+        by_gpu.setdefault(profiles.gpu_for(r.gpu).key, []).append(r)
+    for g, group in sorted(by_gpu.items()):
+        telling = [r for r in group
+                   if any(not fits_in_cache(r, _perf(r, profiles, kv)) for kv in candidates)]
+        if not telling:
+            out[g] = "auto"
+            continue
+        err = {kv: sum(res.ttft_err for res in simulate_all(telling, profiles,
+                                                             kv_cache_dtype=kv))
+               for kv in candidates}
+        out[g] = min(candidates, key=lambda kv: err[kv])
+    return out
 
 
 def write_profile(path: str | Path, result: Fit, profiles: Profiles, source: str,
@@ -173,13 +234,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--split", choices=("all", "cal", "test"), default="cal",
                     help="rows to fit on (default: the calibration half, even positions)")
     ap.add_argument("--out", default="calibrated_profile.yaml", help="profile file to write")
-    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="benchmark")
+    ap.add_argument("--des-passes", type=int, default=DES_PASSES,
+                    help="passes that refit against the DES's replay of the rows (0: closed "
+                         "form only)")
     ap.add_argument("--check", action="store_true",
                     help="then replay the fitted rows in the DES and print the report")
     args = ap.parse_args(argv)
     profiles = Profiles.load()
     rows = split(read_rows(args.data), args.split)
-    result = fit(rows, profiles, kv_cache_dtype=args.kv_cache_dtype)
+    if args.kv_cache_dtype == "benchmark":
+        inferred = infer_kv_dtypes(rows, profiles)
+        print("KV cache dtype the benchmarks ran with (inferred): "
+              + ", ".join(f"{g} {kv}" for g, kv in inferred.items()))
+        differ = {g: kv for g, kv in inferred.items()
+                  if BENCHMARK_KV_CACHE_DTYPE.get(g, "auto") != kv}
+        if differ:
+            print(f"warning: simulator.fidelity.BENCHMARK_KV_CACHE_DTYPE says otherwise for "
+                  f"{sorted(differ)}; the fit below uses BENCHMARK_KV_CACHE_DTYPE")
+    result = fit(rows, profiles, kv_cache_dtype=args.kv_cache_dtype,
+                 des_passes=args.des_passes)
     write_profile(args.out, result, profiles, args.data, args.split)
     print(f"fitted on {len(rows)} rows ({args.split} split): mfu {result.mfu:.3f}, "
           + ", ".join(f"mbu[{g}] {v:.3f}" for g, v in result.mbu.items())

@@ -1,6 +1,6 @@
 """Measured against simulated: every row of a calibration CSV replayed closed loop in the DES.
 
-    python -m simulator.fidelity DATA.csv [--profile P] [--split test] [--rows N]
+    python -m simulator.fidelity DATA.csv [--profile P] [--split test] [--every N]
 
 Each row (the format of shared/calibration/: backend, model, gpu, precision, isl, osl,
 concurrency, tp, ttft_ms, tpot_ms) is one closed-loop benchmark: `concurrency` clients, each
@@ -37,6 +37,11 @@ GPU_ALIASES = {"h100_sxm": "h100", "h200_sxm": "h200", "a100_sxm": "a100-80g",
 REQUESTS_PER_CLIENT = 10  # the benchmark's requests per client (num_prompts = 10 x concurrency)
 STEADY_ROUNDS = 3  # closed-loop rounds simulated for the spread-out part
 BANDS = ((1, 8, "c<=8"), (9, 32, "c 9-32"), (33, 10**9, "c>32"))
+# The KV cache dtype each GPU's benchmarks ran with, which the CSV does not record. Inferred
+# by `python -m simulator.calibrate` from the KV capacity the calibration half's saturated
+# rows show (`infer_kv_dtypes`): only FP8 KV holds the H200 TP 1 sequences measured decoding
+# at once; the H100 TP 2 rows saturate where a 16-bit cache would. "benchmark" picks it.
+BENCHMARK_KV_CACHE_DTYPE = {"h100": "auto", "h200": "fp8"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,11 +150,19 @@ class Result:
         return abs(self.tpot_ms - self.row.tpot_ms) / self.row.tpot_ms
 
 
-def engine_options(row: Row, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+def kv_dtype_for(row: Row, kv_cache_dtype: str) -> str:
+    """`kv_cache_dtype`, or with "benchmark" the one `row`'s GPU was measured with."""
+    if kv_cache_dtype != "benchmark":
+        return kv_cache_dtype
+    return BENCHMARK_KV_CACHE_DTYPE.get(GPU_ALIASES.get(row.gpu.lower(), row.gpu.lower()),
+                                        "auto")
+
+
+def engine_options(row: Row, kv_cache_dtype: str = "benchmark") -> dict[str, Any]:
     weight = {"fp8": "fp8", "bf16": "", "fp16": "", "int4": "int4", "awq": "int4",
               "w4a16": "int4", "mxfp4": "mxfp4"}.get(row.precision.lower(), "")
     return {"tensor_parallel_size": row.tp, "weight_dtype": weight,
-            "kv_cache_dtype": kv_cache_dtype, "max_model_len": row.isl + row.osl,
+            "kv_cache_dtype": kv_dtype_for(row, kv_cache_dtype), "max_model_len": row.isl + row.osl,
             "enable_prefix_caching": True, "prefill_attention": True}
 
 
@@ -170,7 +183,7 @@ async def _closed_loop(row: Row, profiles: Profiles, engine: str, kv_cache_dtype
 
 
 async def simulate(row: Row, profiles: Profiles, *, engine: str = "vllm",
-                   requests_per_client: int = REQUESTS_PER_CLIENT, kv_cache_dtype: str = "auto",
+                   requests_per_client: int = REQUESTS_PER_CLIENT, kv_cache_dtype: str = "benchmark",
                    seed: int = 0, steady_rounds: int = STEADY_ROUNDS) -> Result:
     """`row`'s benchmark in the DES: mean TTFT and TPOT over its requests.
 
@@ -250,7 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="rows to run: all, or the calibration (even) / held-out (odd) half")
     ap.add_argument("--every", type=int, default=1, help="run every N-th selected row only")
     ap.add_argument("--engine", default="vllm")
-    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="benchmark",
+                    help="auto, fp8, or benchmark: the one each GPU's rows were measured with")
     ap.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT,
                     help="benchmark requests per client; the first round is a burst")
     ap.add_argument("--seed", type=int, default=0)

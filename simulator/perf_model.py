@@ -69,8 +69,9 @@ class PerfModel:
     - matmuls: max(tokens x 2 x active params / (peak of the weight dtype x MFU x tp),
       weights read / (HBM x MBU x tp)): one weight read serves the prefill and the decodes of
       a step together. MoE reads only the experts the step's tokens route to.
-    - attention: decode reads each sequence's KV (bandwidth); prefill attention FLOPs are
-      added with `prefill_attention`.
+    - attention: decode reads each sequence's KV (bandwidth; FP8 KV at the cost of 16-bit,
+      see `kv_read_bytes_per_token_per_gpu`); prefill attention FLOPs are added with
+      `prefill_attention`.
     - fixed: the engine's CPU work per step (a part per running sequence: sampling, output)
       + layers x a per-layer kernel floor; under TP,
       2 all-reduces per layer, each a latency plus its bytes over the interconnect.
@@ -125,7 +126,7 @@ class PerfModel:
             "step_overhead_s": fixed,
             "prefill_s_per_token": 2.0 * m.compute_params / flops,
             "weight_read_s": self.weight_bytes_read / bandwidth,
-            "kv_read_s_per_token": self.kv_bytes_per_token_per_gpu * self.tp / bandwidth,
+            "kv_read_s_per_token": self.kv_read_bytes_per_token_per_gpu * self.tp / bandwidth,
             "comm_s_per_token": (n_ar * m.hidden_size * ACT_BYTES * ring / link
                                  if n_ar and link else 0.0),
             "seq_s": self.engine.step_us_per_seq * 1e-6,
@@ -158,6 +159,13 @@ class PerfModel:
             return m.layers * m.kv_latent_dim * self.kv_dtype_bytes
         heads = max(1.0, m.kv_heads / self.tp)
         return 2 * m.layers * heads * m.head_dim * self.kv_dtype_bytes
+
+    @property
+    def kv_read_bytes_per_token_per_gpu(self) -> float:
+        """What decode attention costs per token of context, in bytes read: an FP8 KV cache
+        is dequantized to 16 bits in the attention kernel and, in the calibration data, decodes
+        no faster than a 16-bit one (it halves the capacity, not the time)."""
+        return self.kv_bytes_per_token_per_gpu * max(1.0, ACT_BYTES / self.kv_dtype_bytes)
 
     @property
     def weight_bytes(self) -> float:
