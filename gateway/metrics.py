@@ -138,7 +138,6 @@ class Metrics:
                 [t for t in vars(self).values() if isinstance(t, CounterTally | HistogramTally)]
             )
         )
-        self._tracing_watched = False
 
     def watch_replicas(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
         self.registry.register(_ReplicaCollector(replicas))
@@ -151,10 +150,51 @@ class Metrics:
         self.registry.register(_IndexCollector(state))
 
     def watch_tracing(self, sink: Callable[[], object]) -> None:
-        """`sink()` gives the tracing's span sink (None when tracing is off); once per registry."""
-        if not self._tracing_watched:
-            self._tracing_watched = True
-            self.registry.register(_TracingCollector(sink))
+        """`sink()` gives the tracing's span sink (None when tracing is off)."""
+        self.registry.register(_TracingCollector(sink))
+
+    def watch_redis(self, parts: Callable[[], Iterable[tuple[str, object]]]) -> None:
+        """`parts()` gives (component, store) pairs; one with a RedisHealth `health` is on Redis."""
+        self.registry.register(_RedisCollector(parts))
+
+
+class _RedisCollector(Collector):
+    """The Redis connections of the index and the rate limiter (prefix_index.redis_client's
+    RedisHealth, read at scrape time), by component; no sample for one not on Redis."""
+
+    _COUNTERS = (
+        ("outages", "gateway_redis_outages", "Times the component lost Redis (it answers locally meanwhile)."),
+        ("recoveries", "gateway_redis_recoveries", "Times Redis came back for the component."),
+        ("down_s", "gateway_redis_down_seconds", "Seconds the component was without Redis, counted when each outage ends."),
+        ("switches", "gateway_redis_master_switches", "Sentinel master changes the component followed."),
+    )  # fmt: skip
+    _INDEX = (
+        ("rebuilds", "gateway_index_rebuilds", "Times Redis had lost the shared index (flushed, restarted, failed over empty) and this gateway re-wrote its recent records."),
+        ("replayed_writes", "gateway_index_rebuilt_records", "Records this gateway re-wrote in those rebuilds."),
+    )  # fmt: skip
+
+    def __init__(self, parts: Callable[[], Iterable[tuple[str, object]]]) -> None:
+        self._parts = parts
+
+    def collect(self) -> Iterator[Metric]:
+        healths = [(c, h) for c, store in self._parts() if (h := getattr(store, "health", None))]
+        up = GaugeMetricFamily(
+            "gateway_redis_up", "1 while the component reaches Redis, 0 during an outage.",
+            labels=["component"],
+        )  # fmt: skip
+        for component, h in healths:
+            up.add_metric([component], 1.0 if h.up else 0.0)
+        yield up
+        for attr, name, doc in self._COUNTERS:
+            fam = CounterMetricFamily(name, doc, labels=["component"])
+            for component, h in healths:
+                fam.add_metric([component], getattr(h, attr))
+            yield fam
+        for attr, name, doc in self._INDEX:
+            fam = CounterMetricFamily(name, doc, labels=[])
+            for h in (h for component, h in healths if component == "index"):
+                fam.add_metric([], getattr(h, attr))
+            yield fam
 
 
 class _TracingCollector(Collector):
@@ -196,12 +236,8 @@ class _IndexCollector(Collector):
         ("dropped", "gateway_kv_events_dropped", "KV event batches that could not be decoded."),
         ("gaps", "gateway_kv_events_gaps", "Sequence gaps seen (lost batches)."),
         ("replays", "gateway_kv_events_replays", "Replays asked of the replica's replay socket."),
-        (
-            "forgets",
-            "gateway_kv_events_forgets",
-            "Times the replica's blocks were forgotten (restart, unfillable gap, cleared).",
-        ),
-    )
+        ("forgets", "gateway_kv_events_forgets", "Times the replica's blocks were forgotten (restart, unfillable gap, cleared)."),
+    )  # fmt: skip
 
     def __init__(self, state: Callable[[], tuple[Any, Any, dict[str, int]]]) -> None:
         self._state = state

@@ -220,12 +220,27 @@ def _schemas(classes: list[str]) -> dict[str, Any]:
         },
         "Ready": {
             "type": "object",
-            "required": ["status", "available_replicas"],
+            "required": ["status", "available_replicas", "fleet", "index"],
             "properties": {
                 "status": {"type": "string", "enum": ["ready", "not_ready"]},
                 "available_replicas": {
                     "type": "object",
                     "additionalProperties": {"type": "integer", "minimum": 0},
+                },
+                "fleet": {
+                    "type": "object",
+                    "description": "Other gateways whose load this one counts, and whether the "
+                    "shared load answers (off: not configured). Never a 503 by itself.",
+                    "required": ["peers", "shared_load"],
+                    "properties": {
+                        "peers": {"type": "integer", "minimum": 0},
+                        "shared_load": {"type": "string", "enum": ["ok", "down", "off"]},
+                    },
+                },
+                "index": {
+                    "type": "string",
+                    "enum": ["ok", "down", "memory"],
+                    "description": "The shared (Redis) index reachable or not; memory: per process.",
                 },
             },
         },

@@ -91,7 +91,6 @@ class Recorder:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
         self._labels_of = -1  # the snapshot whose server.metrics the label caps follow
-        gateway.metrics.watch_tracing(lambda: gateway.tracing.sink)
 
     def decision(self, pool: Pool, routing: Routing, decision: Decision) -> None:
         m = self.gw.metrics

@@ -64,6 +64,10 @@ class Gateway:
         self.metrics.watch_replicas(self.all_replicas)
         self.metrics.watch_admission(lambda: self.current.admission)
         self.metrics.watch_index(lambda: (self.current.index, self.kv_events, self.parity))
+        self.metrics.watch_redis(
+            lambda: (("index", self.current.index), ("ratelimit", self.current.limiter))
+        )
+        self.metrics.watch_tracing(lambda: self.tracing.sink)
 
     # --- the current snapshot's parts (read-only; a change is a new snapshot) --------------------
     @property
