@@ -37,13 +37,14 @@ from typing import Any
 
 import yaml
 
-from simulator.config import build_config
 from simulator.fidelity import (
-    BENCHMARK_KV_CACHE_DTYPE,
     REQUESTS_PER_CLIENT,
+    KvChoice,
     Profiles,
     Row,
-    engine_options,
+    fits_in_cache,
+    infer_kv_dtypes,
+    perf_of,
     read_rows,
     report,
     simulate_all,
@@ -100,16 +101,6 @@ class Fit:
         return gpus, engines
 
 
-def _perf(row: Row, profiles: Profiles, kv_cache_dtype: str) -> PerfModel:
-    opts = engine_options(row, kv_cache_dtype)
-    return build_config(profiles.model_for(row.model), profiles.gpu_for(row.gpu),
-                        engine=profiles.engines["vllm"], **opts).perf
-
-
-def fits_in_cache(row: Row, perf: PerfModel) -> bool:
-    return row.concurrency * (row.isl + row.osl) <= perf.kv_capacity_tokens
-
-
 def _vector(f: Fit, gpus: Sequence[str]) -> list[float]:
     """The fit as the unknowns of the least squares."""
     return ([f.layer_us * 1e-6, f.allreduce_us * 1e-6] + [1.0 / f.mbu[g] for g in gpus]
@@ -143,7 +134,7 @@ def _equations(r: Row, pm: PerfModel, gpus: Sequence[str], rounds: int
     return out
 
 
-def fit(rows: Sequence[Row], profiles: Profiles, *, kv_cache_dtype: str = "benchmark",
+def fit(rows: Sequence[Row], profiles: Profiles, *, kv_cache_dtype: KvChoice = "benchmark",
         rounds: int = REQUESTS_PER_CLIENT, iterations: int = 6, des_passes: int = 0) -> Fit:
     """One weighted least-squares fit of TPOT (every row that fits in the cache) and TTFT
     (rows of at most 8 clients) together; the terms that depend on the fit itself (the wait
@@ -164,7 +155,7 @@ def fit(rows: Sequence[Row], profiles: Profiles, *, kv_cache_dtype: str = "bench
             p = profiles.with_overrides(*cur.overrides(profiles))
             a, b, w = [], [], []
             for r in rows:
-                pm = _perf(r, p, kv_cache_dtype)
+                pm = perf_of(r, p, kv_cache_dtype)
                 if not fits_in_cache(r, pm):
                     continue  # queueing and preemption: not a closed form
                 for kind, coef, known, measured in _equations(r, pm, gpus, rounds):
@@ -181,41 +172,16 @@ def fit(rows: Sequence[Row], profiles: Profiles, *, kv_cache_dtype: str = "bench
         if pass_no == des_passes:
             break
         p = profiles.with_overrides(*cur.overrides(profiles))
-        fitting = [r for r in rows if fits_in_cache(r, _perf(r, p, kv_cache_dtype))]
+        fitting = [r for r in rows if fits_in_cache(r, perf_of(r, p, kv_cache_dtype))]
         xv = _vector(cur, gpus)
         for res in simulate_all(fitting, p, kv_cache_dtype=kv_cache_dtype):
             r = res.row
             sim = {"tpot": res.tpot_ms * 1e-3, "ttft": res.ttft_ms * 1e-3}
-            eqs = _equations(r, _perf(r, p, kv_cache_dtype), gpus, rounds)
+            eqs = _equations(r, perf_of(r, p, kv_cache_dtype), gpus, rounds)
             extra[r.key] = {kind: sim[kind] - known
                             - sum(ci * xi for ci, xi in zip(coef, xv, strict=True))
                             for kind, coef, known, _ in eqs}
     return cur
-
-
-def infer_kv_dtypes(rows: Sequence[Row], profiles: Profiles,
-                    candidates: Sequence[str] = ("auto", "fp8")) -> dict[str, str]:
-    """The KV cache dtype each GPU's benchmarks most likely ran with (the CSV does not say).
-
-    Only the KV capacity tells them apart: for each GPU, the rows whose KV demand (clients x
-    (isl + osl)) exceeds the cache under some candidate are replayed in the DES under each,
-    and the candidate with the lowest mean TTFT error wins (a GPU with no such row keeps
-    "auto")."""
-    out: dict[str, str] = {}
-    by_gpu: dict[str, list[Row]] = {}
-    for r in rows:
-        by_gpu.setdefault(profiles.gpu_for(r.gpu).key, []).append(r)
-    for g, group in sorted(by_gpu.items()):
-        telling = [r for r in group
-                   if any(not fits_in_cache(r, _perf(r, profiles, kv)) for kv in candidates)]
-        if not telling:
-            out[g] = "auto"
-            continue
-        err = {kv: sum(res.ttft_err for res in simulate_all(telling, profiles,
-                                                             kv_cache_dtype=kv))
-               for kv in candidates}
-        out[g] = min(candidates, key=lambda kv: err[kv])
-    return out
 
 
 def write_profile(path: str | Path, result: Fit, profiles: Profiles, source: str,
@@ -234,7 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--split", choices=("all", "cal", "test"), default="cal",
                     help="rows to fit on (default: the calibration half, even positions)")
     ap.add_argument("--out", default="calibrated_profile.yaml", help="profile file to write")
-    ap.add_argument("--kv-cache-dtype", default="benchmark")
+    ap.add_argument("--kv-cache-dtype", default="infer",
+                    help="auto, fp8, infer (default: per GPU, from the rows fitted on that "
+                         "overflow the cache under some dtype) or benchmark (the shipped data's)")
     ap.add_argument("--des-passes", type=int, default=DES_PASSES,
                     help="passes that refit against the DES's replay of the rows (0: closed "
                          "form only)")
@@ -243,16 +211,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     profiles = Profiles.load()
     rows = split(read_rows(args.data), args.split)
-    if args.kv_cache_dtype == "benchmark":
-        inferred = infer_kv_dtypes(rows, profiles)
+    kv: KvChoice = args.kv_cache_dtype
+    if kv == "infer":
+        kv = infer_kv_dtypes(rows, profiles)
         print("KV cache dtype the benchmarks ran with (inferred): "
-              + ", ".join(f"{g} {kv}" for g, kv in inferred.items()))
-        differ = {g: kv for g, kv in inferred.items()
-                  if BENCHMARK_KV_CACHE_DTYPE.get(g, "auto") != kv}
-        if differ:
-            print(f"warning: simulator.fidelity.BENCHMARK_KV_CACHE_DTYPE says otherwise for "
-                  f"{sorted(differ)}; the fit below uses BENCHMARK_KV_CACHE_DTYPE")
-    result = fit(rows, profiles, kv_cache_dtype=args.kv_cache_dtype,
+              + (", ".join(f"{g} {d}" for g, d in kv.items()) or "none"))
+    result = fit(rows, profiles, kv_cache_dtype=kv,
                  des_passes=args.des_passes)
     write_profile(args.out, result, profiles, args.data, args.split)
     print(f"fitted on {len(rows)} rows ({args.split} split): mfu {result.mfu:.3f}, "
@@ -263,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {args.out}")
     if args.check:
         report(simulate_all(rows, Profiles.load(args.out),
-                            kv_cache_dtype=args.kv_cache_dtype))
+                            kv_cache_dtype=kv))
     return 0
 
 

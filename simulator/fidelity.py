@@ -6,7 +6,9 @@ Each row (the format of shared/calibration/: backend, model, gpu, precision, isl
 concurrency, tp, ttft_ms, tpot_ms) is one closed-loop benchmark: `concurrency` clients, each
 sending random `isl`-token prompts and receiving exactly `osl` tokens. The report prints
 measured and simulated mean TTFT and TPOT per row and the mean absolute percentage error
-(MAPE) overall, by TP size and by concurrency band.
+(MAPE) overall, by TP size and by concurrency band. The CSV does not say how the KV cache was
+stored: by default (`--kv-cache-dtype infer`) it is inferred per GPU from the file's calibration
+half (`infer_kv_dtypes`).
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ import argparse
 import asyncio
 import csv
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from simulator.config import build_config
 from simulator.des import Cluster, RoundRobin, fixed_length_users, run
+from simulator.perf_model import PerfModel
 from simulator.profiles import (
     EngineProfile,
     GpuProfile,
@@ -150,15 +154,20 @@ class Result:
         return abs(self.tpot_ms - self.row.tpot_ms) / self.row.tpot_ms
 
 
-def kv_dtype_for(row: Row, kv_cache_dtype: str) -> str:
-    """`kv_cache_dtype`, or with "benchmark" the one `row`'s GPU was measured with."""
-    if kv_cache_dtype != "benchmark":
+# how the KV cache dtype of a replayed row is chosen: a dtype for every row, "benchmark" (the
+# shipped data's, BENCHMARK_KV_CACHE_DTYPE) or a GPU -> dtype map (`infer_kv_dtypes` of a file)
+KvChoice = str | Mapping[str, str]
+
+
+def kv_dtype_for(row: Row, kv_cache_dtype: KvChoice) -> str:
+    """`kv_cache_dtype`, or the one `row`'s GPU was measured with ("benchmark" or a map)."""
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype != "benchmark":
         return kv_cache_dtype
-    return BENCHMARK_KV_CACHE_DTYPE.get(GPU_ALIASES.get(row.gpu.lower(), row.gpu.lower()),
-                                        "auto")
+    by_gpu = BENCHMARK_KV_CACHE_DTYPE if isinstance(kv_cache_dtype, str) else kv_cache_dtype
+    return by_gpu.get(GPU_ALIASES.get(row.gpu.lower(), row.gpu.lower()), "auto")
 
 
-def engine_options(row: Row, kv_cache_dtype: str = "benchmark") -> dict[str, Any]:
+def engine_options(row: Row, kv_cache_dtype: KvChoice = "benchmark") -> dict[str, Any]:
     weight = {"fp8": "fp8", "bf16": "", "fp16": "", "int4": "int4", "awq": "int4",
               "w4a16": "int4", "mxfp4": "mxfp4"}.get(row.precision.lower(), "")
     return {"tensor_parallel_size": row.tp, "weight_dtype": weight,
@@ -166,7 +175,7 @@ def engine_options(row: Row, kv_cache_dtype: str = "benchmark") -> dict[str, Any
             "enable_prefix_caching": True, "prefill_attention": True}
 
 
-async def _closed_loop(row: Row, profiles: Profiles, engine: str, kv_cache_dtype: str,
+async def _closed_loop(row: Row, profiles: Profiles, engine: str, kv_cache_dtype: KvChoice,
                        seed: int, rounds: int, staggered: bool) -> tuple[float, float, int]:
     cluster = Cluster(1, profiles.model_for(row.model), profiles.gpu_for(row.gpu), seed=seed,
                       engine=profiles.engines[engine], **engine_options(row, kv_cache_dtype))
@@ -183,7 +192,8 @@ async def _closed_loop(row: Row, profiles: Profiles, engine: str, kv_cache_dtype
 
 
 async def simulate(row: Row, profiles: Profiles, *, engine: str = "vllm",
-                   requests_per_client: int = REQUESTS_PER_CLIENT, kv_cache_dtype: str = "benchmark",
+                   requests_per_client: int = REQUESTS_PER_CLIENT,
+                   kv_cache_dtype: KvChoice = "benchmark",
                    seed: int = 0, steady_rounds: int = STEADY_ROUNDS) -> Result:
     """`row`'s benchmark in the DES: mean TTFT and TPOT over its requests.
 
@@ -201,6 +211,41 @@ async def simulate(row: Row, profiles: Profiles, *, engine: str = "vllm",
     w = 1.0 / requests_per_client
     return Result(row, 1e3 * (w * b_ttft + (1 - w) * s_ttft),
                   1e3 * (w * b_tpot + (1 - w) * s_tpot), b_pre + s_pre)
+
+
+def perf_of(row: Row, profiles: Profiles, kv_cache_dtype: KvChoice) -> PerfModel:
+    opts = engine_options(row, kv_cache_dtype)
+    return build_config(profiles.model_for(row.model), profiles.gpu_for(row.gpu),
+                        engine=profiles.engines["vllm"], **opts).perf
+
+
+def fits_in_cache(row: Row, perf: PerfModel) -> bool:
+    return row.concurrency * (row.isl + row.osl) <= perf.kv_capacity_tokens
+
+
+def infer_kv_dtypes(rows: Sequence[Row], profiles: Profiles,
+                    candidates: Sequence[str] = ("auto", "fp8")) -> dict[str, str]:
+    """The KV cache dtype each GPU's benchmarks most likely ran with (the CSV does not say).
+
+    Only the KV capacity tells them apart: for each GPU, the rows whose KV demand (clients x
+    (isl + osl)) exceeds the cache under some candidate are replayed in the DES under each,
+    and the candidate with the lowest mean TTFT error wins (a GPU with no such row keeps
+    "auto")."""
+    out: dict[str, str] = {}
+    by_gpu: dict[str, list[Row]] = {}
+    for r in rows:
+        by_gpu.setdefault(profiles.gpu_for(r.gpu).key, []).append(r)
+    for g, group in sorted(by_gpu.items()):
+        telling = [r for r in group
+                   if any(not fits_in_cache(r, perf_of(r, profiles, kv)) for kv in candidates)]
+        if not telling:
+            out[g] = "auto"
+            continue
+        err = {kv: sum(res.ttft_err for res in simulate_all(telling, profiles,
+                                                             kv_cache_dtype=kv))
+               for kv in candidates}
+        out[g] = min(candidates, key=lambda kv: err[kv])
+    return out
 
 
 def simulate_all(rows: Iterable[Row], profiles: Profiles, **options: Any) -> list[Result]:
@@ -263,15 +308,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="rows to run: all, or the calibration (even) / held-out (odd) half")
     ap.add_argument("--every", type=int, default=1, help="run every N-th selected row only")
     ap.add_argument("--engine", default="vllm")
-    ap.add_argument("--kv-cache-dtype", default="benchmark",
-                    help="auto, fp8, or benchmark: the one each GPU's rows were measured with")
+    ap.add_argument("--kv-cache-dtype", default="infer",
+                    help="auto, fp8, infer (default: per GPU, from the rows of the calibration "
+                         "half that overflow the cache under some dtype) or benchmark (the "
+                         "shipped data's, BENCHMARK_KV_CACHE_DTYPE)")
     ap.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT,
                     help="benchmark requests per client; the first round is a burst")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    rows = subset(split(read_rows(args.data), args.split), args.every)
-    results = simulate_all(rows, Profiles.load(args.profile), engine=args.engine,
-                           kv_cache_dtype=args.kv_cache_dtype,
+    every_row = read_rows(args.data)
+    rows = subset(split(every_row, args.split), args.every)
+    profiles = Profiles.load(args.profile)
+    kv: KvChoice = args.kv_cache_dtype
+    if kv == "infer":
+        kv = infer_kv_dtypes(split(every_row, "cal"), profiles)
+        print("KV cache dtype the benchmarks ran with (inferred from the calibration half): "
+              + (", ".join(f"{g} {d}" for g, d in kv.items()) or "none"))
+    results = simulate_all(rows, profiles, engine=args.engine, kv_cache_dtype=kv,
                            requests_per_client=args.requests_per_client, seed=args.seed)
     print(f"{args.data}: {len(results)} rows ({args.split} split), profile "
           f"{args.profile or 'shipped'}, {args.requests_per_client} requests per client")
