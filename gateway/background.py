@@ -99,6 +99,7 @@ class Background:
                 m = ReplicaMonitor(
                     r, self.session, pool.config.health, pool.config.scrape, self._engine_kv
                 )
+                m.models_refresh_s = pool.config.lora.refresh_s
                 m.start()
                 self._monitors[id(r)] = m
                 if self.kv_events is not None and r.kv_events:

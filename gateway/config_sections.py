@@ -144,6 +144,26 @@ class ReplicaConfig(_Strict):
         return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters of a pool's replicas (docs/lora.md). Read from the replicas by default;
+    `manage: true` lets the gateway load `adapters` onto replicas that allow runtime updates."""
+
+    refresh_s: float = Field(5.0, gt=0)  # how often each replica's /v1/models is read
+    max_loras: int | None = Field(None, ge=1)  # GPU adapter slots; else the metric's, else 1
+    manage: bool = False
+    adapters: dict[str, str] = {}  # name -> path the replica loads it from (manage)
+    max_replicas_per_adapter: int = Field(2, ge=1)  # managed: replicas an adapter may hold
+    requests_per_replica: int = Field(4, ge=1)  # managed: in flight per replica before another
+    idle_unload_s: float = Field(60.0, gt=0)  # managed: unload an adapter idle this long
+    load_timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _adapters_to_manage(self) -> LoraConfig:
+        if self.manage and not self.adapters:
+            raise ValueError("adapters: required with manage: true (name: path of each adapter)")
+        return self
+
+
 class PoolConfig(_Strict):
     replicas: tuple[ReplicaConfig, ...] = ()
     discovery: DiscoveryConfig | None = None  # instead of `replicas`: dns or kubernetes
@@ -157,6 +177,7 @@ class PoolConfig(_Strict):
     retries: int = Field(2, ge=0, le=10)
     capacity_blocks: int | None = Field(None, ge=1)
     upstream_api_key: SecretStr | None = None
+    lora: LoraConfig = LoraConfig()
 
     @field_validator("replicas", mode="before")
     @classmethod

@@ -16,6 +16,8 @@ import orjson
 from .errors import GatewayError, NoReplicaAvailable, NotFound
 from .failover import Failover, Outbound
 from .kinds import EndpointKind
+from .lora import unserved
+from .lora_placement import LoraPlacement
 from .openai import ParsedRequest
 from .pools import Pool
 from .proxy import with_stream_usage
@@ -40,6 +42,7 @@ class Pipeline:
         self.failover = Failover(gateway)
         self.recorder = Recorder(gateway)
         self.homes = ResponseHomes()  # /v1/responses: which replica made each response
+        self.lora = LoraPlacement()  # managed LoRA placement (pools.<p>.lora.manage)
 
     async def handle(
         self, snap: Snapshot, kind: EndpointKind, raw: bytes, headers: RawHeaders, tenant: Tenant,
@@ -59,6 +62,8 @@ class Pipeline:
         routing = await self.route(snap, pool, req, prompt, route_input(rec, headers, tenant), rec)
         home = self.homes.home(req.body.get("previous_response_id"), pool.name) if kind.sticky else None
         first = await self.admit(snap, pool, tenant, routing, rec, home)
+        if pool.config.lora.manage:  # the adapter loaded on the pick before it gets the request
+            await self.lora.ensure(self.gw.session, pool, first.replica, req.model)
         if explained(snap, headers):
             extra.append(decision_header(routing))
         body = upstream_body(snap, req, rec.priority, tenant.cache_salt, kind.fields)
@@ -111,6 +116,11 @@ class Pipeline:
                 f"No replica of pool '{pool.name}' is available (all circuits open)",
                 retry_after=pool.config.health.interval_s,
             )
+        if req.model and unserved((r.lora for r in pool.replicas), req.model):
+            raise NotFound(  # a LoRA pool, and no replica lists this adapter (docs/lora.md)
+                f"The model `{req.model[:64]}` does not exist: no replica of pool "
+                f"'{pool.name}' serves it.", param="model", code="model_not_found",
+            )  # fmt: skip
         rec.t_route = time.perf_counter_ns()
         routing = snap.router.prepare(req, pool, inp, prompt)
         await snap.router.match(pool, routing)
@@ -128,6 +138,7 @@ class Pipeline:
         async with slot as waited:
             rec.t_admitted = time.perf_counter_ns()
             self.recorder.queue_wait(pool.name, rec.priority, waited)
+            self.lora.offer(pool, routing.routed.model)
             decision = snap.router.choose(pool, routing)
             if home is not None and home in decision.ranked:
                 decision.ranked.remove(home)

@@ -17,6 +17,7 @@ from policies.types import ReplicaView
 
 from .config import HealthConfig, PoolConfig, ReplicaConfig, ScrapeConfig
 from .control_client import CONTROL_ERRORS, ControlClient, fetch, status_of
+from .lora import LORA_INFO, ReplicaAdapters, parse_lora_info, refresh_models
 from .scrape import LoadSample, parse_metrics
 
 log = logging.getLogger("gateway.replicas")
@@ -85,6 +86,8 @@ class ReplicaState:
     engine_kv: tuple[int, int] | None = None  # (block size, KV tokens) the engine last reported
     ttft_ewma_s: float | None = None
     served_models: frozenset[str] = frozenset()  # from the replica's /v1/models
+    lora: ReplicaAdapters = field(default_factory=ReplicaAdapters)  # its LoRA adapters
+    lora_max: int | None = None  # pools.<p>.lora.max_loras (None: the metric's)
     on_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
     _idle: asyncio.Event | None = field(default=None, repr=False)
 
@@ -101,6 +104,7 @@ class ReplicaState:
             stale_after_s=pool.scrape.stale_after_s,
             kv_events=rc.kv_events,
             kv_events_replay=rc.kv_events_replay,
+            lora_max=pool.lora.max_loras,
         )
 
     # --- what routing reads ---------------------------------------------------------------
@@ -112,6 +116,7 @@ class ReplicaState:
         self.models = frozenset(rc.models)
         self.capacity_blocks = rc.capacity_blocks or pool.capacity_blocks
         self.stale_after_s = pool.scrape.stale_after_s
+        self.lora_max = pool.lora.max_loras
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait until no request is in flight (the replica is draining); False on timeout."""
@@ -159,6 +164,7 @@ class ReplicaState:
             hit_blocks=hit_blocks,
             ttft_ewma_s=self.ttft_ewma_s,
             placed_blocks=self.placed_blocks + self.peer_placed_blocks,
+            lora=lora.view() if (lora := self.lora).served or lora.managed else None,
         )
 
     def has_slot(self) -> bool:
@@ -220,6 +226,7 @@ class ReplicaMonitor:
         self.on_engine_kv = on_engine_kv
         self._tasks: list[asyncio.Task[None]] = []
         self._scrape_failing = False
+        self.models_refresh_s = 5.0  # pools.<p>.lora.refresh_s
 
     def start(self) -> None:
         self._tasks.append(
@@ -271,6 +278,10 @@ class ReplicaMonitor:
             self._scrape_failing = False
         sample = parse_metrics(text)
         r.scraped, r.scraped_at = sample, time.monotonic()
+        if LORA_INFO in text:  # adapters in flight, by the newest series (gateway/lora.py)
+            info = parse_lora_info(text)
+            if info is not None:
+                r.lora.set_metric(info[0], info[1], r.lora_max)
         tokens = sample.kv_tokens
         if tokens is not None and sample.block_size is not None:
             kv = (sample.block_size, tokens)
@@ -286,6 +297,10 @@ class ReplicaMonitor:
             await asyncio.sleep(self.health.interval_s)
 
     async def _scrape_loop(self) -> None:
+        models_at = 0.0
         while True:
             await self.scrape_once()
+            if time.monotonic() >= models_at:  # its adapters (/v1/models), every refresh_s
+                models_at = time.monotonic() + self.models_refresh_s
+                await refresh_models(self.client, self.replica.url, self.replica.lora)
             await asyncio.sleep(self.scrape.interval_s)

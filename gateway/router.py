@@ -197,7 +197,7 @@ class Dispatch:
 
     __slots__ = (
         "index", "pool", "replica", "view", "routed", "hit_tokens", "uncached",
-        "_prefilled", "_done", "_settled", "_unrecords",
+        "_prefilled", "_done", "_settled", "_unrecords", "adapter_load",
     )  # fmt: skip
 
     def __init__(
@@ -216,6 +216,9 @@ class Dispatch:
         self._prefilled = self._done = self._settled = False
         self._unrecords = replica.unrecords
         replica.dispatched(self.uncached, max(0, routed.n_blocks - view.hit_blocks))
+        # a LoRA adapter: counted in flight there; None for a model that is no adapter of it
+        lora = replica.lora
+        self.adapter_load = lora.dispatched(routed.model) if lora.is_adapter(routed.model) else None
 
     async def record(self) -> None:
         """The replica will hold the prompt's blocks: count them in the index now, without
@@ -271,6 +274,7 @@ class Dispatch:
                 ttft_s,
                 ok=ok,
                 session_key=self.routed.session_key,
+                adapter_load=self.adapter_load,
             )
         )
 
@@ -280,6 +284,8 @@ class Dispatch:
             self._done = True
             self.prefilled()
             self.replica.finished()
+            if self.adapter_load is not None:
+                self.replica.lora.finished(self.routed.model)
 
     async def _unrecord(self) -> None:
         routed, known = self.routed, self.view.hit_blocks

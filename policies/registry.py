@@ -27,6 +27,7 @@ TABLE: Mapping[str, Mapping[str, str]] = MappingProxyType(
                 "healthy": "policies.filters:Healthy",
                 "serves_model": "policies.filters:ServesModel",
                 "not_saturated": "policies.filters:NotSaturated",
+                "serves_adapter": "policies.lora_filter:ServesAdapter",
             }
         ),
         "scorer": MappingProxyType(
@@ -37,6 +38,7 @@ TABLE: Mapping[str, Mapping[str, str]] = MappingProxyType(
                 "ttft": "policies.scorers.ttft:TTFTScorer",
                 "session": "policies.scorers.session:SessionScorer",
                 "cost_blocks": "policies.scorers.cost_blocks:CostBlocksScorer",
+                "lora_affinity": "policies.scorers.lora:LoraAffinityScorer",
             }
         ),
         "picker": MappingProxyType(
@@ -66,7 +68,7 @@ TABLE: Mapping[str, Mapping[str, str]] = MappingProxyType(
 
 POLICY_NAMES: tuple[str, ...] = tuple(TABLE["policy"])
 DEFAULT_POLICY = "ttft"  # picked by bench/routing.py (most goals met); README, Benchmarks
-DEFAULT_FILTERS: tuple[str, ...] = ("healthy", "serves_model", "not_saturated")
+DEFAULT_FILTERS: tuple[str, ...] = ("healthy", "serves_model", "serves_adapter", "not_saturated")
 SPEC_KEYS: tuple[str, ...] = ("name", "preset", "filters", "scorers", "picker", "guard")
 _METHOD = {"filter": "keep", "scorer": "score", "picker": "pick"}
 _PROTOCOL = {"filter": "Filter", "scorer": "Scorer", "picker": "Picker"}

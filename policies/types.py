@@ -30,6 +30,34 @@ class RoutedRequest:
         return len(self.block_hashes)
 
 
+@dataclass(frozen=True, slots=True)
+class LoraView:
+    """What the gateway knows of one replica's LoRA adapters (gateway/lora.py; docs/lora.md).
+
+    `served`: adapters it can serve now (its `/v1/models` cards with a `parent`). `loadable`:
+    adapters the gateway may load on it for this request (managed placement, within the
+    bound on replicas per adapter; empty otherwise); `managed`: every adapter it places.
+    `resident`: adapters believed on its GPU, least recently used first (those with requests in
+    flight, per `vllm:lora_requests_info` and the gateway's own counts, then the ones it used
+    last). `inflight`: requests in flight per adapter (the gateway's own, or the metric's 1 when
+    only the metric names one). `max_loras`: its GPU adapter slots (the metric's `max_lora`).
+    """
+
+    served: frozenset[str] = frozenset()
+    base: frozenset[str] = frozenset()  # its base models (cards without a parent)
+    max_loras: int = 1
+    resident: tuple[str, ...] = ()
+    inflight: Mapping[str, int] = field(default_factory=dict)
+    loadable: frozenset[str] = frozenset()
+    # the share of this replica's recent requests each resident adapter had (decayed): what
+    # evicting it would cost in reloads
+    demand: Mapping[str, float] = field(default_factory=dict)
+    managed: frozenset[str] = frozenset()  # adapters the gateway places (managed placement)
+
+    def can_serve(self, adapter: str) -> bool:
+        return adapter in self.served or adapter in self.loadable
+
+
 @dataclass(slots=True)
 class ReplicaView:
     """A snapshot of one replica, taken when the request is routed; plugins only read it.
@@ -60,6 +88,7 @@ class ReplicaView:
     hit_blocks: int = 0  # leading blocks of this request's chain the index says it holds
     ttft_ewma_s: float | None = None  # recent observed TTFT
     placed_blocks: int = 0  # blocks new to this replica the gateway has routed to it, ever
+    lora: LoraView | None = None  # None: the replica reports no LoRA adapters
 
     @property
     def load(self) -> int:
@@ -81,6 +110,7 @@ class Outcome:
     ttft_s: float | None
     ok: bool = True
     session_key: str | None = None  # the request's session_key, so affinity follows failover
+    adapter_load: bool | None = None  # a LoRA adapter had to be loaded for it (None: no adapter)
 
 
 @dataclass(slots=True)

@@ -21,6 +21,8 @@ from starlette.routing import Route
 from simulator import audio, pooling
 from simulator.faults import Fault, FaultSwitch
 from simulator.kv_cache import PrefixCache
+from simulator.lora import LoraState
+from simulator.lora_api import adapter_cards, lora_routes
 from simulator.metrics import CONTENT_TYPE
 from simulator.openai_api import ApiError, bad
 from simulator.responses import ResponsesService
@@ -48,6 +50,7 @@ class AppParts:
     cache: PrefixCache  # /sim/cache
     kv_publisher: Callable[[], KvEventPublisher | None]  # /sim/kv_events, /kv_event_sources
     reset_prefix_cache: Callable[[], object]  # /reset_prefix_cache
+    lora: LoraState | None = None  # /v1/models' adapter cards, /v1/load_lora_adapter, ...
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -113,7 +116,8 @@ def create_app(parts: AppParts) -> Starlette:
                                 "allow_search_indices": False, "allow_view": True,
                                 "allow_fine_tuning": False, "organization": "*",
                                 "group": None, "is_blocking": False}]}
-        return json_response({"object": "list", "data": [card]})
+        cards = [card, *adapter_cards(parts.lora, name, created)]
+        return json_response({"object": "list", "data": cards})
 
     async def health(request: Request) -> Response:
         return Response(b"", status_code=200)
@@ -225,6 +229,7 @@ def create_app(parts: AppParts) -> Starlette:
         Route("/sim/kv_events", sim_kv_events, methods=["GET", "POST"]),
         Route("/kv_event_sources", kv_event_sources, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        *lora_routes(parts.lora),
     ]
     return Starlette(routes=routes,
                      exception_handlers={ApiError: api_error, Exception: internal_error})

@@ -9,12 +9,14 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import os
 import signal
 import sys
 from collections.abc import Sequence
 
 from simulator.config import KV_EVENTS_ENCODINGS, OutputLengths
 from simulator.fleet import Fleet
+from simulator.lora import LoraConfig
 from simulator.profiles import load_gpus, load_models
 from simulator.tokenizer import TokenizerJson
 
@@ -65,7 +67,26 @@ def parser() -> argparse.ArgumentParser:
                         "BASE+2i+1 (needs pyzmq and msgspec)")
     p.add_argument("--kv-events-encoding", choices=KV_EVENTS_ENCODINGS, default="map",
                    help="map: vLLM >= 0.24 events (default); legacy: positional arrays")
+    p.add_argument("--lora-modules", nargs="*", default=None, metavar="NAME",
+                   help="serve these LoRA adapters (enables LoRA; /v1/models lists them)")
+    p.add_argument("--max-loras", type=int, default=1, help="GPU adapter slots (vLLM's default 1)")
+    p.add_argument("--max-cpu-loras", type=int, default=None)
+    p.add_argument("--lora-load-ms", type=float, default=250.0,
+                   help="time an adapter load from disk adds to the step that needs it")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
+                   in ("1", "true"),
+                   help="the /v1/load_lora_adapter and /v1/unload_lora_adapter routes "
+                   "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
     return p
+
+
+def lora_from_args(args: argparse.Namespace) -> LoraConfig | None:
+    if args.lora_modules is None and not args.allow_runtime_lora_updating:
+        return None
+    return LoraConfig(tuple(args.lora_modules or ()), max_loras=args.max_loras,
+                      max_cpu_loras=args.max_cpu_loras, load_s=args.lora_load_ms / 1000.0,
+                      runtime_updating=args.allow_runtime_lora_updating)
 
 
 def fleet_from_args(args: argparse.Namespace) -> Fleet:
@@ -88,6 +109,7 @@ def fleet_from_args(args: argparse.Namespace) -> Fleet:
                    if args.tokenizer else None),
         kv_events_port=args.kv_events_port,
         kv_events_encoding=args.kv_events_encoding,
+        lora=lora_from_args(args),
     )
 
 

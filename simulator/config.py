@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+from simulator.lora import LoraConfig
 from simulator.perf_model import PerfModel, auto_tp
 from simulator.profiles import (
     EngineProfile,
@@ -118,6 +119,7 @@ class EngineConfig:
     weight_dtype: str = ""  # "": the model's; fp8 / int4 / mxfp4 for a quantized checkpoint
     kv_cache_dtype: str = "auto"  # auto (the model's 16 bits) or fp8
     jitter_cv: float | None = None  # None: the engine profile's
+    lora: LoraConfig | None = None  # multi-LoRA (simulator/lora.py); None: off
 
     @property
     def perf(self) -> PerfModel:

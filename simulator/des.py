@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 from simulator.config import EngineConfig, build_config
 from simulator.engine import Engine
-from simulator.kv_cache import PromptHasher
+from simulator.kv_cache import PromptHasher, salt_seed
+from simulator.lora import lora_salt
 from simulator.perf_model import jitter_factor
 from simulator.profiles import GpuProfile, ModelProfile
 from simulator.results import RequestRecord, RunResult
@@ -258,9 +259,14 @@ async def _run(reqs: list[SimRequest], loop: ClosedLoop | None, cluster: Cluster
                 engine.sync(t)
                 engine.truncate()  # the newcomer may join after the current step
                 push(choice)
+            adapter = req.meta.get("lora")  # the LoRA adapter the request names, if any
+            if adapter is not None and engine.lora is not None:
+                engine.lora.assign(req.id, adapter)
+            salt = lora_salt(adapter, None)
             seq = engine.add_request(req.id, req.prompt_tokens, arrival_s=t,
                                      max_tokens=req.max_tokens, priority=req.priority,
-                                     hashes=cluster.hasher(req.prompt_tokens))
+                                     cache_salt=salt,
+                                     hashes=cluster.hasher(req.prompt_tokens, salt_seed(salt)))
             seq.user = req
             if engine.in_flight is None:
                 start(choice, t)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from simulator import decode_runs
 from simulator.config import EngineConfig
 from simulator.kv_cache import PrefixCache, PromptHasher, salt_seed
+from simulator.lora import LoraState
 from simulator.perf_model import jitter_factor
 from simulator.scheduler import Scheduler
 from simulator.sequence import Sequence, Status
@@ -60,6 +61,7 @@ class Engine:
         self.cache = PrefixCache(config.num_blocks, config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.cache)
+        self.lora = self.scheduler.lora = LoraState(config.lora) if config.lora else None
         self.counters = EngineCounters()
         self.rng = random.Random(seed)
         self.seed = seed
@@ -140,6 +142,9 @@ class Engine:
             return False
         self.scheduler.drop(seq)
         seq.status = Status.ABORTED
+        if self.lora is not None:
+            self.lora.release(request_id)
+            self.lora.touch_metric(self.requests, self.now_s)
         self.counters.requests_aborted += 1
         return True
 
@@ -188,12 +193,23 @@ class Engine:
         duration = perf.step_time(prefill_tokens, n_decode, kv_tokens, attention_s)
         if perf.jitter:
             duration *= jitter_factor(self.seed, self.step_no, perf.jitter)
+        if self.lora is not None and batch.admitted:  # adapter loads stall the step
+            duration += self._lora_loads(batch.admitted, batch.items)
         step = Step(self.now_s, duration, batch.items, batch.preempted, batch.admitted,
                     prefill_tokens, n_decode)
         if fuse and n_decode == len(batch.items) == self.num_running and not batch.admitted:
             step = self._plan_run(step, kv_tokens)
         self.in_flight = step
         return step
+
+    def _lora_loads(self, admitted: list[Sequence], items: dict[Sequence, int]) -> float:
+        lora = self.lora
+        assert lora is not None
+        of = lora.adapter_of
+        stall = lora.activate([a for s in admitted if (a := of.get(s.id)) is not None],
+                              lora.adapters_of(items))
+        lora.touch_metric(self.requests, self.now_s)
+        return stall
 
     def _plan_run(self, step: Step, kv_tokens: int) -> Step:
         """Extend a scheduled pure-decode `step` into a run, or return it unchanged.
@@ -300,6 +316,9 @@ class Engine:
         seq.status = Status.FINISHED
         seq.finish_s = t
         self.requests.pop(seq.id, None)
+        if self.lora is not None:
+            self.lora.release(seq.id)
+            self.lora.touch_metric(self.requests, t)
         c = self.counters
         c.requests_served += 1
         if seq.stop_at_length:

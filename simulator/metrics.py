@@ -73,6 +73,14 @@ class _EngineCollector(Collector):
         info.add_metric([str(cfg.block_size), str(cfg.enable_prefix_caching),
                          str(cfg.gpu_memory_utilization), str(cfg.num_blocks)], 1.0)
         yield info
+        if e.lora is not None and e.lora.series:  # absent until an adapter is used, as in vLLM
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=("max_lora", "running_lora_adapters",
+                                             "waiting_lora_adapters"))
+            for labels, stamp in e.lora.metric_samples():
+                lora.add_metric([labels["max_lora"], labels["running_lora_adapters"],
+                                 labels["waiting_lora_adapters"]], stamp)
+            yield lora
 
 
 class ReplicaMetrics:

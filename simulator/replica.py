@@ -93,7 +93,7 @@ class Replica:
             tokenizer=self.tokenizer, load=lambda: engine.num_running + engine.num_waiting,
             render_metrics=self.metrics.render, stats=self.stats, reset_stats=self.reset_stats,
             faults=self.faults, cache=engine.cache, kv_publisher=lambda: self.kv_events,
-            reset_prefix_cache=self.reset_prefix_cache)
+            reset_prefix_cache=self.reset_prefix_cache, lora=engine.lora)
 
     def _on_step(self, result: StepResult) -> None:
         self.metrics.on_step(result)

@@ -10,6 +10,7 @@ from typing import Any
 
 from simulator.config import EngineConfig
 from simulator.kv_cache import PrefixCache, block_hashes
+from simulator.lora import LoraState
 from simulator.sequence import Sequence, Status, WaitingQueue
 
 
@@ -42,6 +43,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.by_priority = config.scheduling_policy == "priority"
+        self.lora: LoraState | None = None  # set by the engine when LoRA is on
 
     def schedule(self) -> Batch:
         batch = Batch()
@@ -77,10 +79,15 @@ class Scheduler:
 
     def _admit(self, batch: Batch, budget: int) -> None:
         cache, bs, running, waiting = self.cache, self.bs, self.running, self.waiting
+        lora, skipped = self.lora, []
+        active = lora.adapters_of(running) if lora is not None else set()
         while budget > 0 and len(running) < self.cfg.max_num_seqs:
             seq = waiting.peek()
             if seq is None:
                 break
+            if lora is not None and not lora.admissible(seq.id, active):
+                skipped.append(waiting.pop())  # one adapter too many: the next may fit
+                continue
             hit: list[int] = []
             if self.caching:
                 limit = (seq.num_tokens - 1) // bs
@@ -104,6 +111,10 @@ class Scheduler:
             batch.items[seq] = n
             batch.admitted.append(seq)
             budget -= n
+            if lora is not None and (a := lora.adapter_of.get(seq.id)) is not None:
+                active.add(a)
+        for seq in reversed(skipped):
+            waiting.push(seq, front=True)
 
     def grow(self, seq: Sequence, n: int) -> bool:
         """Give `seq` blocks for `n` more tokens; False when the cache has none left."""

@@ -17,6 +17,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive
 
 from simulator.faults import Fault, FaultSwitch
+from simulator.lora import lora_salt
 from simulator.openai_api import (
     ApiError,
     EngineRequest,
@@ -69,7 +70,9 @@ class CompletionService:
         except orjson.JSONDecodeError:
             raise bad("the request body is not valid JSON") from None
         req = parse_request(body, self.tok, chat=chat)
-        if req.model is not None and req.model != self.model_name:
+        lora = self.runner.engine.lora
+        adapter = req.model if lora is not None and req.model in lora.registered else None
+        if req.model is not None and req.model != self.model_name and adapter is None:
             raise ApiError(404, f"The model `{req.model}` does not exist.", "model")
         if req.priority != 0 and not self.priority_ok:
             raise bad("Priority scheduling is not enabled.", "priority")
@@ -86,10 +89,13 @@ class CompletionService:
         def sink(seq: Sequence) -> None:
             events.put_nowait((seq.tag, seq.output[-1], seq.finish_reason))
 
-        seqs = [self.runner.submit(f"{req.request_id}-{i}-{next(self._ids)}", prompt,
-                                   max_tokens=req.max_tokens, priority=req.priority,
-                                   cache_salt=req.cache_salt, sink=sink, tag=i)
-                for i, prompt in enumerate(req.prompts)]
+        ids = [f"{req.request_id}-{i}-{next(self._ids)}" for i in range(len(req.prompts))]
+        if adapter is not None and lora is not None:  # the engine serves it with that adapter
+            for rid in ids:
+                lora.assign(rid, adapter)
+        seqs = [self.runner.submit(rid, prompt, max_tokens=req.max_tokens, priority=req.priority,
+                                   cache_salt=lora_salt(adapter, req.cache_salt), sink=sink, tag=i)
+                for i, (rid, prompt) in enumerate(zip(ids, req.prompts, strict=True))]
         if req.stream:
             frames = self._frames(req, seqs, events)
             return StreamingResponse(self._faulty(frames, fault, request), status_code=200,
@@ -115,7 +121,7 @@ class CompletionService:
 
     async def _frames(self, req: EngineRequest, seqs: list[Sequence],
                       events: asyncio.Queue[Event]) -> AsyncIterator[bytes]:
-        model, open_choices = self.model_name, len(seqs)
+        model, open_choices = req.model or self.model_name, len(seqs)  # an adapter's name echoed
         started: set[int] = set()
         try:
             while open_choices:
@@ -180,5 +186,5 @@ class CompletionService:
             return Response(GARBAGE, media_type="application/json")
         texts = ["".join(self.tok.decode_filler(t) for t in s.output) for s in seqs]
         reasons = [s.finish_reason or "abort" for s in seqs]
-        body = full_response(req, self.model_name, texts, reasons, self._usage(seqs))
+        body = full_response(req, req.model or self.model_name, texts, reasons, self._usage(seqs))
         return Response(orjson.dumps(body), media_type="application/json")

@@ -13,12 +13,19 @@ does not look faster than idle ones that were simply not tried yet. `prior_weigh
 observations the prior is worth; `decay` forgets old observations so the fit follows a replica
 whose speed changes.
 
+On a replica that serves LoRA adapters (`ReplicaView.lora`), the time the request's adapter
+adds is priced on top (policies/scorers/lora.py: 0 when it is active or resident there, one load
+with a free slot, a load and a penalty to evict an idle one, a load and a wait when every slot is
+busy); the load time is learned from the TTFTs of requests that needed one (their residual
+against the fit), and those TTFTs enter the fit without it. Replicas without LoRA: unchanged.
+
 Across a fleet of gateways (shared load, gateway/fleet_load.py) each gateway shares its own
 decayed sums (`share`) and folds in the others' (`absorb`): the sums add, so every gateway fits
 the same coefficients from all of the fleet's observations (as of the last tick).
 
     scorers:
-      ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99}
+      ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99,
+             lora_load_s: 0.3}
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from policies.base import Scorer, SharedState
+from policies.scorers.lora import LoraCost
 from policies.types import Outcome, ReplicaView, RoutedRequest
 
 _KTOK = 1000.0  # the fit works in thousands of tokens, so the three features have similar scale
@@ -86,6 +94,7 @@ class TTFTScorer(Scorer):
         base_s: float = 0.05,
         prior_weight: float = 4.0,
         decay: float = 0.99,
+        lora_load_s: float = 0.3,
     ) -> None:
         if not prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s!r}")
@@ -104,6 +113,7 @@ class TTFTScorer(Scorer):
         self._fits: dict[str, _Fit] = {}  # this process's own observations
         self._peer: dict[str, list[float]] = {}  # the other gateways' sums, per replica
         self._pooled = self.prior  # what a replica without observations is predicted with
+        self.lora = LoraCost(lora_load_s)  # what a request's LoRA adapter adds, in seconds
 
     def coefficients(self, replica: str) -> tuple[float, float, float]:
         """(a seconds, b seconds per uncached token, c seconds per queued token) for a replica."""
@@ -113,7 +123,10 @@ class TTFTScorer(Scorer):
         """Predicted TTFT in seconds if `req` went to `view`."""
         a, b, c = self._coef.get(view.name, self._pooled)
         uncached = max(0.0, req.prompt_tokens - view.hit_blocks * req.tokens_per_block)
-        return max(_FLOOR_S, a + b * uncached + c * view.inflight_prompt_tokens)
+        t = a + b * uncached + c * view.inflight_prompt_tokens
+        if view.lora is not None:
+            t += self.lora.extra_s(req.model, view.lora)
+        return max(_FLOOR_S, t)
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:
         coef, prior = self._coef, self._pooled
@@ -123,6 +136,8 @@ class TTFTScorer(Scorer):
             a, b, c = coef.get(v.name, prior)
             uncached = prompt - v.hit_blocks * tpb
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
+            if v.lora is not None:
+                t += self.lora.extra_s(req.model, v.lora)
             pred[v.name] = t if t > _FLOOR_S else _FLOOR_S
         best = min(pred.values(), default=_FLOOR_S)
         return {name: best / t for name, t in pred.items()}
@@ -140,6 +155,10 @@ class TTFTScorer(Scorer):
             fit = self._fits[outcome.replica] = _Fit()
         u = max(0, outcome.prompt_tokens - outcome.predicted_hit_tokens) / _KTOK
         q = max(0, outcome.queued_prompt_tokens_at_dispatch) / _KTOK
+        if outcome.adapter_load:  # learn the load from the residual, fit the rest without it
+            a, b, c = self._coef.get(outcome.replica, self._pooled)
+            self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK))
+            y = max(0.0, y - self.lora.load_s)
         fit.add(u, q, y, self._decay)
         self._coef[outcome.replica] = self._solve(fit, self._peer.get(outcome.replica))
         self._pool()

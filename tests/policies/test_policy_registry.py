@@ -74,6 +74,7 @@ def test_preset_weights() -> None:
     assert [f.name for f in build_policy("round_robin").filters] == [
         "healthy",
         "serves_model",
+        "serves_adapter",
         "not_saturated",
     ]
 
@@ -150,7 +151,7 @@ def test_preset_with_overrides() -> None:
         (
             {"scorers": {"prefx": 1}},
             "policy.scorers.prefx: unknown scorer 'prefx'; valid: "
-            "cost_blocks, kv_pressure, prefix, queue, session, ttft, "
+            "cost_blocks, kv_pressure, lora_affinity, prefix, queue, session, ttft, "
             "or 'module:attr'",
         ),
         (
@@ -174,7 +175,7 @@ def test_preset_with_overrides() -> None:
         ),
         (
             {"filters": ["healthy", "sick"]},
-            "policy.filters[1]: unknown filter 'sick'; valid: healthy, not_saturated, serves_model",
+            "policy.filters[1]: unknown filter 'sick'; valid: healthy, not_saturated, serves_adapter, serves_model",
         ),
         ({"filters": "healthy"}, "policy.filters: expected a list"),
         ({"filters": [{"nme": "healthy"}]}, "policy.filters[0].name: expected a plugin name"),

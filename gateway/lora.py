@@ -1,0 +1,239 @@
+"""What the gateway knows of each replica's LoRA adapters, and how it reads it (docs/lora.md).
+
+Three sources, per replica:
+- `/v1/models` (refreshed every `refresh_s`): the adapters it serves are the cards with a
+  `parent`; the cards without one are its base models. A replica none of whose cards has a
+  parent is not LoRA-enabled: it gets no `LoraView` and routing treats it as before.
+- `vllm:lora_requests_info` in each `/metrics` scrape. Its value is the Unix time of the
+  gauge's last update and every label set it ever had lingers as its own series, so only the
+  series with the largest value is read. Its `running_lora_adapters` and
+  `waiting_lora_adapters` name the adapters with requests in flight (vLLM writes every such
+  adapter into both), not the loaded set: an idle adapter on the GPU appears in neither.
+  `max_lora` is the replica's GPU adapter slots. A missing family is "no LoRA info".
+- The gateway's own dispatches: in-flight requests per adapter (fresher than any scrape), and
+  the adapters it sent there last, which stand in for the GPU residency no metric reports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from policies.scorers.lora import adapter_state
+from policies.types import LoraView
+
+from .control_client import CONTROL_ERRORS, ControlClient, fetch, get_json
+
+LORA_INFO = "vllm:lora_requests_info"
+DEFAULT_MAX_LORAS = 1  # vLLM's --max-loras default, until the metric says otherwise
+_MAX_ADAPTERS = 4096  # bound on the names kept per replica
+DEMAND_DECAY = 0.97  # per request sent to the replica: demand is over its last ~30 requests
+
+
+def adapters_of(models: Any) -> tuple[frozenset[str], frozenset[str]] | None:
+    """(adapters, base models) from a `/v1/models` answer; None when it is not one."""
+    cards = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(cards, list):
+        return None
+    adapters: set[str] = set()
+    base: set[str] = set()
+    for card in cards:
+        if not isinstance(card, dict) or not isinstance(card.get("id"), str):
+            continue
+        (adapters if isinstance(card.get("parent"), str) else base).add(card["id"])
+    return frozenset(adapters), frozenset(base)
+
+
+def parse_lora_info(text: str) -> tuple[frozenset[str], int | None] | None:
+    """(adapters with requests in flight, max_lora) from the newest `vllm:lora_requests_info`
+    series of a scrape; None when the family is absent (no LoRA info, not an error)."""
+    best: tuple[float, str] | None = None
+    start = 0
+    while (i := text.find(LORA_INFO + "{", start)) >= 0:
+        start = i + 1
+        if i and text[i - 1] != "\n":
+            continue  # inside a comment or another name
+        end = text.find("}", i)
+        nl = text.find("\n", end)
+        try:
+            value = float(text[end + 1 : nl if nl >= 0 else None].split()[0])
+        except (ValueError, IndexError):
+            continue
+        if math.isfinite(value) and (best is None or value > best[0]):
+            best = (value, text[i + len(LORA_INFO) + 1 : end])
+    if best is None:
+        return None
+    labels = _labels(best[1])
+    names = {
+        n.strip()
+        for key in ("running_lora_adapters", "waiting_lora_adapters")
+        for n in labels.get(key, "").split(",")
+        if n.strip()
+    }
+    try:
+        max_lora: int | None = int(labels["max_lora"])
+    except (KeyError, ValueError):
+        max_lora = None
+    return frozenset(names), max_lora if max_lora is None or max_lora >= 1 else None
+
+
+def _labels(inner: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    i, n = 0, len(inner)
+    while i < n:
+        eq = inner.find("=", i)
+        if eq < 0 or eq + 1 >= n or inner[eq + 1] != '"':
+            break
+        key = inner[i:eq].strip().lstrip(",").strip()
+        j = eq + 2
+        value: list[str] = []
+        while j < n and inner[j] != '"':
+            if inner[j] == "\\" and j + 1 < n:
+                j += 1
+            value.append(inner[j])
+            j += 1
+        out[key] = "".join(value)
+        i = j + 1
+    return out
+
+
+class ReplicaAdapters:
+    """One replica's adapters as the gateway knows them; `view()` is what policies read."""
+
+    __slots__ = (
+        "served", "base", "loadable", "managed", "max_loras", "metric_active", "own", "recent",
+        "demand", "_view",
+    )  # fmt: skip
+
+    def __init__(self, max_loras: int | None = None) -> None:
+        self.served: frozenset[str] = frozenset()
+        self.base: frozenset[str] = frozenset()
+        self.loadable: frozenset[str] = frozenset()  # managed placement may load these now
+        self.managed: frozenset[str] = frozenset()  # every adapter managed placement places
+        self.max_loras = max_loras  # configured, else the metric's
+        self.metric_active: frozenset[str] = frozenset()
+        self.own: dict[str, int] = {}  # this gateway's requests in flight, per adapter
+        self.recent: OrderedDict[str, None] = OrderedDict()  # used last, newest last
+        self.demand: dict[str, float] = {}  # decayed share of the requests sent here, by adapter
+        self._view: LoraView | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """The replica serves adapters, or may be given some."""
+        return bool(self.served or self.managed)
+
+    def is_adapter(self, model: str) -> bool:
+        return model in self.served or model in self.managed
+
+    def set_loadable(self, adapters: frozenset[str], managed: frozenset[str]) -> None:
+        if adapters != self.loadable or managed != self.managed:
+            self.loadable, self.managed = adapters, managed
+            self._view = None
+
+    def set_models(self, adapters: frozenset[str], base: frozenset[str]) -> None:
+        if adapters != self.served or base != self.base:
+            self.served, self.base = adapters, base
+            for gone in [a for a in self.recent if a not in adapters]:
+                del self.recent[gone]  # unloaded (or never loaded) by the operator
+            self._view = None
+
+    def set_metric(self, active: frozenset[str], max_lora: int | None, configured: int | None) -> None:
+        for a in sorted(active - self.metric_active):
+            self._use(a)
+        self.metric_active = active
+        self.max_loras = configured or max_lora or self.max_loras
+        self._view = None
+
+    def _use(self, adapter: str) -> None:
+        recent = self.recent
+        recent.pop(adapter, None)
+        recent[adapter] = None
+        while len(recent) > _MAX_ADAPTERS:
+            recent.popitem(last=False)
+
+    def state(self, adapter: str) -> str | None:
+        """Where `adapter` stands here: active, resident, free, evict or busy (policies' words);
+        None for a model that is no adapter of this replica."""
+        view = self.view()
+        return adapter_state(adapter, view) if view is not None else None
+
+    def dispatched(self, adapter: str) -> bool:
+        """Count a request for `adapter` sent here; True when it needs the adapter loaded."""
+        if not self.is_adapter(adapter):
+            return False
+        state = self.state(adapter)
+        self.own[adapter] = self.own.get(adapter, 0) + 1
+        self._use(adapter)
+        demand = self.demand
+        for a in list(demand):
+            d = demand[a] * DEMAND_DECAY
+            if d < 1e-3:
+                del demand[a]
+            else:
+                demand[a] = d
+        demand[adapter] = demand.get(adapter, 0.0) + (1.0 - DEMAND_DECAY)
+        self._view = None
+        return state in ("free", "evict", "busy")
+
+    def finished(self, adapter: str) -> None:
+        n = self.own.get(adapter, 0)
+        if n <= 0:
+            return
+        if n == 1:
+            del self.own[adapter]
+        else:
+            self.own[adapter] = n - 1
+        self._view = None
+
+    def view(self) -> LoraView | None:
+        if not self.enabled:
+            return None
+        if self._view is None:
+            slots = self.max_loras or DEFAULT_MAX_LORAS
+            inflight: dict[str, int] = dict(self.own)
+            for a in self.metric_active:
+                inflight.setdefault(a, 1)
+            busy = [a for a in self.recent if a in inflight]
+            idle = [a for a in self.recent if a not in inflight]
+            resident = (idle + busy)[-max(slots, len(busy)) :]  # in flight ones were used last
+            self._view = LoraView(
+                served=self.served, base=self.base, max_loras=slots, resident=tuple(resident),
+                inflight=inflight, loadable=self.loadable,
+                demand={a: self.demand.get(a, 0.0) for a in resident}, managed=self.managed,
+            )  # fmt: skip
+        return self._view
+
+
+async def refresh_models(client: ControlClient, url: str, into: ReplicaAdapters) -> bool:
+    """Read the replica's `/v1/models` into `into`; False when it did not answer with a list."""
+    found = adapters_of(await get_json(client, url + "/v1/models", timeout_s=5.0))
+    if found is None:
+        return False
+    into.set_models(*found)
+    return True
+
+
+async def post_adapter(
+    client: ControlClient, url: str, path: str, body: Mapping[str, Any], timeout_s: float
+) -> tuple[int, str]:
+    """POST one runtime adapter call (`/v1/load_lora_adapter`, ...): (status, body text); status
+    0 when the replica did not answer."""
+    try:
+        reply = await fetch(client, "POST", url + path, json=dict(body), timeout_s=timeout_s)
+    except CONTROL_ERRORS as exc:
+        return 0, type(exc).__name__
+    return reply.status, reply.body[:512].decode("utf-8", "replace")
+
+
+def unserved(adapters: Iterable[ReplicaAdapters], model: str) -> bool:
+    """No replica can serve `model`, as far as their `/v1/models` say: every one is
+    LoRA-enabled with a known model list, and has it neither as an adapter (served, or placed
+    by the gateway) nor as a base model."""
+    seen = False
+    for a in adapters:
+        if not a.enabled or not a.base or model in a.base or a.is_adapter(model):
+            return False
+        seen = True
+    return seen

@@ -1,0 +1,66 @@
+"""The simulator's LoRA HTTP surface: adapter cards for `/v1/models` and vLLM's runtime routes.
+
+`POST /v1/load_lora_adapter` `{lora_name, lora_path}` and `POST /v1/unload_lora_adapter`
+`{lora_name}` exist only with `LoraConfig.runtime_updating` (vLLM: the routes exist only under
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING`). Success is a plain-text 200, as in vLLM; a duplicate load
+is a 400, an unknown unload a 404 (simulator/lora.py has the slot model).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from simulator.lora import LoraState
+from simulator.openai_api import ApiError, bad
+
+
+def adapter_cards(lora: LoraState | None, parent: str, created: int) -> list[dict[str, Any]]:
+    """One card per registered adapter: `root` its path, `parent` the base model."""
+    if lora is None:
+        return []
+    return [{"id": name, "object": "model", "created": created, "owned_by": "vllm",
+             "root": path, "parent": parent, "max_model_len": None, "permission": []}
+            for name, path in lora.registered.items()]
+
+
+def lora_routes(lora: LoraState | None) -> list[Route]:
+    if lora is None or not lora.config.runtime_updating:
+        return []
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            raise bad("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        return body
+
+    async def load(request: Request) -> Response:
+        body = await body_of(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise bad("Both 'lora_name' and 'lora_path' must be provided.")
+        problem = lora.register(name, path)
+        if problem is not None:
+            raise bad(problem)
+        return Response(f"Success: LoRA adapter '{name}' added successfully",
+                        media_type="text/plain; charset=utf-8")
+
+    async def unload(request: Request) -> Response:
+        body = await body_of(request)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise bad("'lora_name' must be provided.")
+        if not lora.unregister(name):
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.")
+        return Response(f"Success: LoRA adapter '{name}' removed successfully",
+                        media_type="text/plain; charset=utf-8")
+
+    return [Route("/v1/load_lora_adapter", load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload, methods=["POST"])]

@@ -1,0 +1,196 @@
+"""LoRA adapters through a real gateway to simulated vLLM replicas (docs/lora.md).
+
+The replicas are the project's simulator with multi-LoRA on (simulator/lora.py): `/v1/models`
+lists their adapters with `parent`, `vllm:lora_requests_info` is exposed as vLLM does, and the
+runtime load/unload routes exist only when asked for. Also the metric's parsing on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway import create_app, parse_config
+from gateway.config import ConfigError
+from gateway.lora import ReplicaAdapters, adapters_of, parse_lora_info, unserved
+from gateway.lora_placement import LoraPlacement
+from gateway.runtime import Gateway
+from simulator.fleet import Fleet
+from simulator.lora import LoraConfig
+from tests.support import Served, poll_until, start_server
+
+BASE = "qwen2.5-14b"
+
+
+def _pool(fleet: Fleet, **extra: Any) -> dict[str, Any]:
+    return {
+        "pools": {
+            "chat": {
+                "replicas": [{"url": u, "name": f"r{i}"} for i, u in enumerate(fleet.urls)],
+                "health": {"interval_s": 0.2},
+                "scrape": {"interval_s": 0.1},
+                "lora": {"refresh_s": 0.2, **extra},
+            }
+        },
+        "tracing": {"exporter": "none"},
+    }
+
+
+@contextlib.asynccontextmanager
+async def _gateway(cfg: dict[str, Any]) -> AsyncIterator[tuple[Any, Served]]:
+    app = create_app(parse_config(cfg))
+    gw = await start_server(app, lifespan="on")
+    try:
+        yield app, gw
+    finally:
+        await gw.stop()
+
+
+async def _complete(url: str, model: str) -> tuple[int, dict[str, Any]]:
+    body = {"model": model, "prompt": "hello adapters " * 20, "max_tokens": 4}
+    async with aiohttp.ClientSession() as h, h.post(url + "/v1/completions", json=body) as res:
+        return res.status, await res.json()
+
+
+def test_the_newest_series_wins_and_names_in_flight_adapters() -> None:
+    text = (
+        "# HELP vllm:lora_requests_info Running stats on lora requests.\n"
+        "# TYPE vllm:lora_requests_info gauge\n"
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",'
+        'waiting_lora_adapters="a,b"} 1.7382173358407154e+09\n'
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",'
+        'waiting_lora_adapters=""} 1.7382173398407154e+09\n'
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="c",'
+        'waiting_lora_adapters="c"} 1.7382173368407154e+09\n'
+    )
+    # the value is a timestamp: the series written last (all idle) is the current state, not
+    # the one listed last, nor the union of every lingering series
+    assert parse_lora_info(text) == (frozenset(), 4)
+    newest_busy = text.replace("1.7382173368407154e+09", "1.7382173408407154e+09")
+    assert parse_lora_info(newest_busy) == (frozenset({"c"}), 4)
+    assert parse_lora_info("vllm:num_requests_running 3\n") is None  # absent: no info, no error
+
+
+def test_models_cards_with_a_parent_are_adapters() -> None:
+    cards = {"data": [{"id": BASE, "parent": None}, {"id": "sql", "parent": BASE, "root": "/x"}]}
+    assert adapters_of(cards) == (frozenset({"sql"}), frozenset({BASE}))
+    assert adapters_of({"error": "nope"}) is None
+    plain = ReplicaAdapters()
+    found = adapters_of({"data": [{"id": BASE, "parent": None}]})
+    assert found == (frozenset(), frozenset({BASE}))
+    plain.set_models(*found)
+    assert plain.view() is None  # no adapter: routing sees no LoRA, as before
+    assert not unserved([plain], "anything")
+
+
+def test_an_idle_adapter_leaves_the_metric_but_stays_resident() -> None:
+    a = ReplicaAdapters()
+    a.set_models(frozenset({"x", "y"}), frozenset({BASE}))
+    a.set_metric(frozenset({"x"}), 2, None)
+    view = a.view()
+    assert view is not None and view.max_loras == 2 and view.inflight == {"x": 1}
+    a.set_metric(frozenset(), 2, None)  # no request in flight: gone from the gauge
+    view = a.view()
+    assert view is not None and view.inflight == {} and view.resident == ("x",)
+
+
+async def test_adapters_go_only_where_they_are_served_and_unknown_ones_get_404() -> None:
+    lora = LoraConfig(("sql", "chat"), max_loras=2)
+    async with Fleet(n=2, speedup=1000.0, lora=lora) as fleet:
+        fleet.replicas[1].engine.lora.registered = {"poet": "/adapters/poet"}  # type: ignore[union-attr]
+        async with _gateway(_pool(fleet)) as (app, served):
+            replicas = app.gateway.all_replicas()
+            await poll_until(lambda: all(r.lora.served for r in replicas))
+            for _ in range(4):
+                status, body = await _complete(served.url, "poet")
+                assert status == 200 and body["model"] == "poet"  # the adapter's name echoed
+            assert fleet.replicas[1].engine.counters.requests_received == 4
+            assert fleet.replicas[0].engine.counters.requests_received == 0
+            status, _ = await _complete(served.url, "sql")
+            assert status == 200 and fleet.replicas[0].engine.counters.requests_received == 1
+            status, body = await _complete(served.url, BASE)  # the base model: either replica
+            assert status == 200
+            status, body = await _complete(served.url, "no-such-adapter")
+            assert status == 404
+            assert body["error"]["code"] == "model_not_found"
+            assert "no-such-adapter" in body["error"]["message"]
+            assert "no replica of pool 'chat' serves it" in body["error"]["message"]  # ours
+            assert sum(r.engine.counters.requests_received for r in fleet.replicas) == 6
+            # the gateway learned the replica's slots from vllm:lora_requests_info
+            await poll_until(lambda: replicas[1].lora.max_loras == 2)
+
+
+async def test_managed_placement_loads_before_forwarding_and_unloads_idle_ones() -> None:
+    lora = LoraConfig((), max_loras=2, runtime_updating=True)
+    adapters = {"sql": "/adapters/sql", "poet": "/adapters/poet"}
+    async with Fleet(n=2, speedup=1000.0, lora=lora) as fleet:
+        cfg = _pool(fleet, manage=True, adapters=adapters, idle_unload_s=0.4)
+        async with _gateway(cfg) as (app, served):
+            replicas = app.gateway.all_replicas()
+            await poll_until(lambda: all(r.lora.base for r in replicas))
+            status, body = await _complete(served.url, "sql")
+            assert status == 200, body
+            assert body["model"] == "sql"
+
+            def holders() -> int:
+                return sum("sql" in r.engine.lora.registered for r in fleet.replicas)  # type: ignore[union-attr]
+
+            assert holders() == 1  # loaded on the pick, before the request was forwarded
+            for _ in range(3):  # one at a time: demand for one replica, it stays there
+                assert (await _complete(served.url, "sql"))[0] == 200
+            assert holders() == 1
+            placement = app.pipeline.lora
+            assert placement.loads == 1
+            status, body = await _complete(served.url, "unmanaged")
+            assert status == 404 and "unmanaged" in body["error"]["message"]
+            # idle past idle_unload_s: the sweep on a later request unloads it
+            await asyncio.sleep(0.5)
+            assert (await _complete(served.url, "poet"))[0] == 200
+            await poll_until(lambda: holders() == 0, timeout_s=5.0)
+            assert placement.unloads == 1
+            await poll_until(lambda: all("sql" not in r.lora.served for r in replicas))
+
+
+def test_managed_offers_more_replicas_as_demand_grows_up_to_the_bound() -> None:
+    cfg = {
+        "pools": {"chat": {
+            "replicas": [{"url": f"http://10.0.0.{i}:8000", "name": f"r{i}"} for i in range(4)],
+            "lora": {"manage": True, "adapters": {"sql": "/a/sql"}, "requests_per_replica": 2,
+                     "max_replicas_per_adapter": 2},
+        }},
+        "tracing": {"exporter": "none"},
+    }  # fmt: skip
+    pool = Gateway(parse_config(cfg)).pools["chat"]
+    r0, r1, r2, r3 = pool.replicas
+    for r in pool.replicas:
+        r.lora.set_models(frozenset(), frozenset({BASE}))
+    placement = LoraPlacement(clock=lambda: 0.0)
+
+    def offered() -> list[str]:
+        placement.offer(pool, "sql")
+        return [r.name for r in pool.replicas if "sql" in r.lora.loadable]
+
+    assert offered() == ["r0", "r1", "r2", "r3"]  # nowhere yet: anywhere
+    placement.did_load(r1, "sql")
+    assert offered() == []  # demand 1: the one replica that has it
+    r1.lora.own["sql"] = 2  # two in flight + this one: demand for a second replica
+    assert offered() == ["r0", "r2", "r3"]
+    placement.did_load(r3, "sql")
+    r1.lora.own["sql"] = 9
+    assert offered() == []  # at max_replicas_per_adapter
+    placement.no_runtime.add("r0")
+    placement.did_unload(r3, "sql")
+    assert offered() == ["r2", "r3"]  # r0 has no runtime routes
+    assert placement.needs_load(pool, r2, "sql") == "/a/sql"
+    assert placement.needs_load(pool, r1, "sql") is None
+
+
+def test_manage_needs_the_adapters_it_places() -> None:
+    cfg = {"pools": {"chat": {"replicas": ["http://10.0.0.1:8000"], "lora": {"manage": True}}}}
+    with pytest.raises(ConfigError, match="adapters: required with manage: true"):
+        parse_config(cfg)
