@@ -64,6 +64,7 @@ class Variant:
     overrides: dict[str, Any] = field(default_factory=dict)
     rust_policy: str | None = None  # a row of the public Rust router (sglang-router), not ours
     server: str = "uvicorn"  # the HTTP server the gateway's ASGI app runs under
+    src: Path | None = None  # run the gateway package from this directory (--baseline-src)
 
 
 def variants(args: argparse.Namespace, sink_url: str) -> list[Variant]:
@@ -84,6 +85,9 @@ def variants(args: argparse.Namespace, sink_url: str) -> list[Variant]:
                   file=sys.stderr)  # fmt: skip
         else:
             out.append(Variant(f"{out[0].name}@granian", out[0].overrides, server="granian"))
+    if args.baseline_src is not None:  # A/B in one run: the same policies from another tree
+        out += [dataclasses.replace(v, name=v.name + "@base", src=args.baseline_src)
+                for v in list(out) if v.server == "uvicorn"]  # fmt: skip
     if args.rust == "auto" and rust_router_installed():
         out += [Variant(f"sgl-{p}", rust_policy=p) for p in RUST_POLICIES]
     return out
@@ -484,21 +488,22 @@ def start_gateway(
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = {k: x for k, x in os.environ.items() if not k.startswith("OTEL_")}  # config decides
     cmd = [str(GATEWAY_BIN)]
+    src = v.src or args.gateway_src
     if v.server == "granian":  # one worker, one runtime thread, uvloop: as `gateway serve` runs
         env["KVGATEWAY_CONFIG"] = str(path)
         granian = [str(GATEWAY_BIN.parent / "granian"), "--interface", "asgi", "--factory",
                    "--host", "127.0.0.1", "--port", str(cfg["server"]["port"]), "--loop", "uvloop",
                    "--workers", "1", "--runtime-mode", "st", "--http", "1", "--no-ws",
                    "--log-level", "warning", "gateway.cli:app_from_env"]  # fmt: skip
-        if args.gateway_src is not None:
-            env["PYTHONPATH"] = str(args.gateway_src.resolve())
+        if src is not None:
+            env["PYTHONPATH"] = str(src.resolve())
         log = open(workdir / f"gateway-{v.name}.log", "wb")  # noqa: SIM115 - lives with it
         p = subprocess.Popen(granian, stdout=log, stderr=log, env=env, cwd="/")
         _pin(p.pid, cpu, args.nice)
         return p
-    if args.gateway_src is not None:
+    if src is not None:
         cmd = [sys.executable, "-m", "gateway"]
-        env["PYTHONPATH"] = str(args.gateway_src.resolve())
+        env["PYTHONPATH"] = str(src.resolve())
     check = subprocess.run(
         [*cmd, "check", "--config", str(path)], capture_output=True, text=True, env=env, cwd="/"
     )
@@ -897,6 +902,12 @@ def _parser() -> argparse.ArgumentParser:
         "--gateway-src",
         type=Path,
         help="run the gateway package in this directory (e.g. a `git archive` of another commit)",
+    )
+    p.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="also run each policy's gateway from this directory, as `<policy>@base` rows (A/B "
+        "in one run, interleaved)",
     )
     p.add_argument("--profile", type=Path, help="py-spy the gateway's timed windows into this dir")
     p.add_argument("--profile-native", action="store_true", help="py-spy --native (pauses it)")

@@ -1,15 +1,15 @@
 """One response of the request path's HTTP client: its HTTP/1.1 parser (httptools), body buffer,
 backpressure and deadlines.
 
-`http_client.py` owns the connections and the timer wheel; a response sees them only through
-`Link` and `Deadlines`. The underscored methods under "the connection's side" are what the
-connection calls; callers read the response with `read_chunk`/`read_all` and end it with
-`release`/`abort`.
+`http_client.py` owns the connections and the timer wheel; a response sees them through `Link` and
+`Deadlines`. The connection calls the underscored methods under "the connection's side"; callers
+read with `read_chunk`/`read_all` (or `pipe` to a callback) and end with `release`/`abort`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 import httptools
@@ -84,6 +84,7 @@ class UpstreamResponse:
         "_deadline",
         "_idle_s",
         "_last",
+        "_sink",
     )
 
     def __init__(
@@ -118,6 +119,7 @@ class UpstreamResponse:
         self._last = 0.0
         self._timers = timers
         self._slot = 0  # the timer slot this response waits in; 0: none
+        self._sink: Callable[[bytes], bool] | None = None  # `pipe`'s, while it runs
         if hdr_deadline is not None:
             self._slot = timers.add(self, hdr_deadline)
 
@@ -147,6 +149,28 @@ class UpstreamResponse:
                 return b""
             self._waiter = w = self._loop.create_future()
             await w
+
+    async def pipe(self, sink: Callable[[bytes], bool]) -> None:
+        """Hand the body bytes (those here first) to `sink` in the connection's own callback, no
+        task woken per chunk, until it returns False (it must not raise), the body ends or fails;
+        then `read_chunk` reads on."""
+        self._sink = sink
+        try:
+            if self._chunks:
+                self._push()
+            while self._sink is not None and self._phase != _DONE and self._error is None:
+                self._waiter = w = self._loop.create_future()
+                await w
+        finally:
+            self._sink = None
+
+    def _push(self) -> None:
+        chunks, self._chunks, self._buffered = self._chunks, [], 0
+        if self._paused:
+            self._resume()
+        if not self._sink(chunks[0] if len(chunks) == 1 else b"".join(chunks)):  # type: ignore[misc]
+            self._sink = None
+            self._wake()
 
     async def read_all(self, limit: int) -> bytes:
         """The whole body; UpstreamTooLargeError (connection closed) past `limit` bytes."""
@@ -190,6 +214,8 @@ class UpstreamResponse:
                 self._bad_bytes("the upstream switched protocols")
             except httptools.HttpParserError as exc:
                 self._bad_bytes(str(exc) or type(exc).__name__)
+        if self._sink is not None and self._chunks and self._error is None:
+            self._push()
         phase = self._phase
         if phase == _DONE:
             if self._conn is not None:
@@ -206,11 +232,8 @@ class UpstreamResponse:
             if self._buffered > HIGH_WATER_BYTES and not self._paused:
                 self._paused = True
                 self._conn.transport.pause_reading()  # type: ignore[union-attr]
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
+        if self._sink is None or self._phase == _DONE:  # a pipe sleeps on through its chunks
+            self._wake()
 
     def _lost(self, exc: Exception | None) -> None:
         self._conn = None
@@ -245,6 +268,7 @@ class UpstreamResponse:
 
     def _hang_up(self) -> None:
         """Stop reading: the connection is closed (never pooled) and the reader woken."""
+        self._sink = None
         self._stop_timer()
         self._parser = None
         conn = self._conn

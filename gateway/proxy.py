@@ -3,15 +3,17 @@
 Streamed events go to the client as they arrive, checked but uncopied; the upstream socket is closed
 at once when the client goes away, so the engine aborts the request, and when the server's graceful
 shutdown is about to run out (`LiveStreams`: the client gets an error event and a terminated body
-instead of a cut connection). Non-streamed answers held at once are capped (`AnswerBudget`). The
-client is gateway.http_client
-(a lean keep-alive HTTP/1.1 client: aiohttp's cost dominated the gateway's CPU per request).
+instead of a cut connection). Under the gateway's server protocol a streamed chunk the client can
+take at once goes from the upstream connection's callback straight to the client's socket
+(`UpstreamResponse.pipe`, `http_protocol.BodyWriter`): no task wakes, no ASGI message per chunk;
+under backpressure the relay falls back to awaiting `send`. Non-streamed answers held at once are
+capped (`AnswerBudget`). The client is gateway.http_client (a lean keep-alive HTTP/1.1 client:
+aiohttp's cost dominated the gateway's CPU per request); error bodies: `upstream_errors.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,15 +22,7 @@ import orjson
 
 from .budgets import AnswerBudget, LiveStreams, shutting_down
 from .config import TimeoutsConfig
-from .errors import (
-    ERROR_TYPES,
-    GatewayError,
-    UpstreamError,
-    UpstreamTimeout,
-    code_for_status,
-    sse_error_event,
-    type_for_status,
-)
+from .errors import GatewayError, UpstreamError, UpstreamTimeout, sse_error_event
 from .http_client import (
     HttpClient,
     UpstreamBrokenError,
@@ -36,8 +30,11 @@ from .http_client import (
     UpstreamResponse,
     UpstreamTooLargeError,
 )
+from .http_protocol import BodyWriter, body_writer
 from .streams import StreamTap
 from .types import Headers, Send
+from .upstream_errors import hide_addresses as hide_addresses
+from .upstream_errors import normalize_error_body as normalize_error_body
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a non-streamed answer larger than this is a broken replica
@@ -253,21 +250,35 @@ async def _relay(
             "headers": response_headers(resp, extra_headers),
         }
     )
+    # what can go at once goes straight to the client's socket (a chunk per read: whatever
+    # arrived since the last one, never waited for); else, or under backpressure, through `send`
+    writer = body_writer()
     out = tap.feed(opened.first)
-    if out:
+    if out and (writer is None or not writer.write(out)):
         await send({"type": "http.response.body", "body": out, "more_body": True})
     broke: GatewayError | None = None
     ended = False  # the replica's body came to its end
     try:
         if after_first is not None:
             await after_first()
+        held: list[BaseException | bytes] = []
+        sink = _sink(tap, writer, held) if writer is not None else None
         while tap.broken is None:
+            if sink is not None and not tap.done:
+                # the chunks the client can take at once are relayed from the upstream's own
+                # callback; pipe returns when one cannot (backpressure), at the end, or on error
+                await resp.pipe(sink)
+                if held:
+                    stuck = held.pop()
+                    if isinstance(stuck, BaseException):
+                        raise stuck
+                    await send({"type": "http.response.body", "body": stuck, "more_body": True})
             chunk = await resp.read_chunk()
             if not chunk:
                 ended = True
                 break
             out = tap.feed(chunk)
-            if out:
+            if out and (writer is None or not writer.write(out)):
                 await send({"type": "http.response.body", "body": out, "more_body": True})
     except asyncio.CancelledError:  # the client went away: hang up so the engine aborts
         resp.abort()
@@ -294,6 +305,27 @@ async def _relay(
     tail = sse_error_event(broke) if broke is not None else b""
     await send({"type": "http.response.body", "body": tail, "more_body": False})
     return broke
+
+
+def _sink(
+    tap: StreamTap, writer: BodyWriter, held: list[BaseException | bytes]
+) -> Callable[[bytes], bool]:
+    """What `pipe` hands the body bytes to: through the tap, written to the client at once; False
+    (stop piping) when they cannot go now (then in `held`, for `send`), at `[DONE]` or a broken
+    event. Never raises: an exception goes to `held`, for the relay to raise."""
+
+    def sink(data: bytes) -> bool:
+        try:
+            out = tap.feed(data)
+            if out and not writer.write(out):
+                held.append(out)
+                return False
+        except Exception as exc:  # noqa: BLE001 - raised in the relay's task instead
+            held.append(exc)
+            return False
+        return tap.broken is None and not tap.done
+
+    return sink
 
 
 async def send_whole(
@@ -330,64 +362,3 @@ def with_stream_usage(raw: bytes, body: dict[str, Any]) -> bytes:
             return head + sep + b'"stream_options":{"include_usage":true}}'
     opts = body.get("stream_options") or {}
     return orjson.dumps({**body, "stream_options": {**opts, "include_usage": True}})
-
-
-def normalize_error_body(status: int, body: bytes, expose: bool) -> tuple[bytes, str]:
-    """A replica's error answer in the gateway's vocabulary: (the body to send, its error type).
-
-    The nested OpenAI shape whatever the replica sent (vLLM's nested shape with its own `type`
-    and an integer code, SGLang's flat one, plain text, HTML): `type` from ERROR_TYPES (the
-    replica's when it is one, else its status's), a string `code`, the replica's `message`
-    (unless there is none in a JSON body: then a generic one). `expose` false: addresses and URLs
-    in the message are replaced by `<hidden>` and a `param` that is no field name is dropped.
-    """
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        data = None
-    err: dict[str, Any] | None = None
-    if isinstance(data, dict):
-        inner = data.get("error")
-        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-            err = inner
-        elif isinstance(data.get("message"), str):
-            err = data
-    if err is None:
-        err = {}
-    message = err.get("message") or f"The upstream replica answered {status}"
-    param = err.get("param") if isinstance(err.get("param"), str) else None
-    if not expose:
-        message = hide_addresses(message)
-        if param is not None and not _FIELD.fullmatch(param):
-            param = None
-    kind = err.get("type")
-    if not (isinstance(kind, str) and kind in ERROR_TYPES):
-        kind = type_for_status(status)
-    code = err.get("code")
-    if not (isinstance(code, str) and _CODE.fullmatch(code)):
-        code = "model_not_found" if status == 404 and param == "model" else code_for_status(status)
-    out = {
-        "message": message,
-        "type": kind,
-        "param": param,
-        "code": code,
-    }
-    return orjson.dumps({"error": out}), kind
-
-
-_FIELD = re.compile(r"[A-Za-z_][\w.\[\]-]{0,63}")  # a request field's name (`messages[0].content`)
-_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
-_ADDRESS = re.compile(
-    r"[a-z][a-z0-9+.-]*://[^\s'\"<>]+"  # a URL
-    r"|\[[0-9a-f:.]+\](?::\d+)?"  # [IPv6]:port
-    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"  # IPv4[:port]
-    r"|\b(?:[0-9a-f]{1,4}:){7}[0-9a-f]{1,4}\b"  # IPv6, full
-    r"|\b(?:[0-9a-f]{1,4}:){1,6}(?::[0-9a-f]{1,4}){1,6}\b|(?<![\w:])::1\b"  # IPv6, with ::
-    r"|\b(?:localhost|[a-z0-9-]+(?:\.[a-z0-9-]+)+):\d{2,5}\b",  # host:port
-    re.IGNORECASE,
-)
-
-
-def hide_addresses(text: str) -> str:
-    """`text` with every URL, IP address and host:port replaced by `<hidden>`."""
-    return _ADDRESS.sub("<hidden>", text) if ("." in text or ":" in text) else text

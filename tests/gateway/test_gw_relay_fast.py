@@ -1,0 +1,176 @@
+"""The stream relay's fast lane (gateway.http_protocol.BodyWriter + UpstreamResponse.pipe) against
+its plain-ASGI path, and the stream tap's one-loop path against its general one.
+
+Under the gateway's own server protocol a streamed chunk goes from the upstream's callback straight
+to the client's socket; under plain uvicorn every chunk is an ASGI message. Both must give the
+client the same bytes for every framing a replica sends, and a client that stops reading must stop
+the gateway reading the replica (backpressure), in the fast lane too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway import create_app, parse_config
+from gateway.http_protocol import GuardedHttpToolsProtocol
+from gateway.streams import StreamTap
+from tests.gateway.fake_replica import Upstream
+from tests.support import poll_until, start_server
+
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+@contextlib.asynccontextmanager
+async def two_gateways(app_upstream: Any) -> AsyncIterator[tuple[str, str]]:
+    """One upstream behind two gateways: (plain uvicorn's URL, the guarded protocol's URL)."""
+    up = await start_server(app_upstream)
+    cfg = {
+        "pools": {
+            "chat": {
+                "replicas": [up.url],
+                "policy": "round_robin",
+                "timeouts": {"connect_s": 1, "first_byte_s": 5, "idle_s": 2, "total_s": 30},
+            }
+        }
+    }
+    plain = await start_server(create_app(parse_config(cfg)), lifespan="on")
+    fast = await start_server(
+        create_app(parse_config(cfg)), lifespan="on", http=GuardedHttpToolsProtocol
+    )
+    try:
+        yield plain.url, fast.url
+    finally:
+        for s in (fast, plain, up):
+            await s.stop()
+
+
+MODES = ["ok", "crlf", "bare_cr", "split", "garbage_utf8", "garbage_json", "die_mid_event",
+         "die_midstream"]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("usage", [False, True])
+async def test_fast_lane_gives_the_bytes_the_asgi_path_gives(mode: str, usage: bool) -> None:
+    up = Upstream("a", mode=mode, chunks=24)
+    body: dict[str, Any] = {"model": "test-model", "messages": CHAT, "stream": True}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    async with two_gateways(up) as (plain, fast), httpx.AsyncClient(timeout=10) as h:
+        a = await h.post(plain + "/v1/chat/completions", json=body)
+        b = await h.post(fast + "/v1/chat/completions", json=body)
+    assert a.status_code == b.status_code == 200
+    assert b.content == a.content
+    if mode in ("ok", "split"):
+        assert b.content.endswith(b"data: [DONE]\n\n")
+    if mode == "split":  # the usage the gateway asked for is stripped unless the client asked
+        assert (b'"usage"' in b.content) is usage
+    if mode in ("garbage_json", "die_midstream"):
+        assert b'"error"' in b.content and b"[DONE]" not in b.content
+
+
+class Firehose:
+    """An upstream that streams valid events as fast as its client takes them, counting bytes."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.event = (
+            b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 4000 + b'"}}]}\n\n'
+        )
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (msg := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": msg["type"] + ".complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] != "/v1/chat/completions":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
+        while (await receive()).get("more_body"):
+            pass
+        hdrs = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": hdrs})
+        with contextlib.suppress(Exception):
+            for _ in range(100_000):  # 400 MB if nothing held it back
+                await send({"type": "http.response.body", "body": self.event, "more_body": True})
+                self.sent += len(self.event)
+                await asyncio.sleep(0)
+
+
+async def test_a_client_that_stops_reading_stops_the_relay_in_the_fast_lane() -> None:
+    hose = Firehose()
+    async with two_gateways(hose) as (_, fast):
+        port = int(fast.rsplit(":", 1)[1])
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        s.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(s, ("127.0.0.1", port))
+        req = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+        await loop.sock_sendall(
+            s,
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(req), req),
+        )
+        got = await loop.sock_recv(s, 4096)
+        assert got.startswith(b"HTTP/1.1 200")
+        await poll_until(lambda: hose.sent > 0)
+        await asyncio.sleep(1.0)  # the client reads nothing more: the buffers fill, then it stops
+        held = hose.sent
+        await asyncio.sleep(1.0)
+        # the socket buffers and the gateway's high-water marks, not the 400 MB stream
+        assert hose.sent - held < 1024 * 1024, "the gateway kept reading for a stalled client"
+        assert hose.sent < 32 * 1024 * 1024
+        s.close()
+
+
+def _careful(strip: bool) -> StreamTap:
+    class General(StreamTap):  # a subclass takes the general path for every read
+        __slots__ = ()
+
+    return General(strip)
+
+
+EVENTS = [
+    b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n',
+    b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\n',
+    b"data: [DONE]\n\n",
+    b"data: [1]\n\n",
+    b"data: not json\n\n",
+    b'data: {"usage":null,"choices":[{}]}\n\n',
+    b'data: {"a":1},{"b":2}\n\n',
+    b"data: \n\n",
+    b"\n",
+    b'data: {"x": "\xff"}\n\n',
+    b": comment\n\n",
+    b'data: {"usage":{"x":1},"choices":[{}]}\n\n',
+]
+
+
+def test_one_loop_tap_path_agrees_with_the_general_one() -> None:
+    rng = random.Random(7)
+    fast_reads = 0
+    for _ in range(4000):
+        pool = EVENTS[:3] if rng.random() < 0.5 else EVENTS
+        stream = b"".join(rng.choice(pool) for _ in range(rng.randint(1, 6)))
+        cuts = sorted(rng.sample(range(1, len(stream)), min(rng.randint(0, 2), len(stream) - 1)))
+        reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+        for strip in (True, False):
+            fast, general = StreamTap(strip), _careful(strip)
+            out_f = b"".join(fast.feed(r) for r in reads)
+            out_g = b"".join(general.feed(r) for r in reads)
+            assert out_f == out_g, reads
+            assert (fast.usage, fast.events, fast.done, fast.broken) == (
+                general.usage, general.events, general.done, general.broken,
+            ), reads  # fmt: skip
+            fast_reads += sum(1 for r in reads if fast._lf_events(r) is not None)
+    assert fast_reads > 300  # the one-loop path did run
