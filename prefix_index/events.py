@@ -1,4 +1,5 @@
-"""KV cache events from vLLM and SGLang: decode one published batch, apply it to the index.
+"""KV cache events from vLLM and SGLang: apply decoded batches (prefix_index/event_decode.py)
+to the index, GPU blocks and the lower tiers (prefix_index/tiers.py).
 
 No sockets and no engine hashes of our own: the gateway's subscriber feeds payloads in.
 """
@@ -8,9 +9,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeGuard
+from typing import Any, Protocol
 
 from prefix_index.base import EngineEventSink
+from prefix_index.event_decode import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventDecodeError,
+    KvEvent,
+    decode_batch,
+    engine_hash,
+)
+from prefix_index.tiers import GPU as GPU_TIER
+from prefix_index.tiers import normalize_medium
 
 __all__ = [
     "AllBlocksCleared",
@@ -26,190 +39,8 @@ __all__ = [
     "engine_hash",
 ]
 
-_U64 = (1 << 64) - 1
-GPU = "GPU"
 FULL_ATTENTION = "full_attention"
 DEFAULT_MAP_CAPACITY = 1_000_000  # engine hashes remembered per replica (a safety cap)
-
-# The positional (array_like) order of vLLM <= 0.23 and SGLang <= 0.5.19; the tag is element 0.
-# Fields added after an engine's version are simply absent (short arrays read as None).
-_LEGACY_FIELDS: dict[str, tuple[str, ...]] = {
-    "BlockStored": (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-        "extra_keys",
-        "group_idx",
-        "kv_cache_spec_kind",
-    ),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
-    "AllBlocksCleared": (),
-}
-
-
-class EventDecodeError(ValueError):
-    """The payload is not a msgpack event batch (the whole batch is unusable)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """Full blocks the engine cached: `token_ids` covers every block in `block_hashes`."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    lora_name: str | None = None
-    medium: str | None = None
-    extra_keys: list[Any] | None = None  # one entry per block (vLLM >= 0.20), untagged
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    cache_salt: str | None = None  # SGLang (map encoding)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Blocks the engine evicted; only engine hashes, no tokens."""
-
-    block_hashes: list[int]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    """The engine dropped its whole prefix cache (vLLM: reset_prefix_cache)."""
-
-
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    """One published batch. `skipped` counts events not understood (unknown tag, bad fields)."""
-
-    ts: float
-    events: list[KvEvent]
-    dp_rank: int | None = None
-    skipped: int = 0
-
-
-def engine_hash(value: Any) -> int:
-    """An engine block hash as an unsigned 64-bit int: vLLM's uint64, SGLang's signed int64,
-    or raw digest bytes (their last 8 bytes, big-endian)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value & _U64
-    if isinstance(value, bytes | bytearray | memoryview):
-        raw = bytes(value)
-        if not raw:
-            raise ValueError("an empty block hash")
-        return int.from_bytes(raw[-8:], "big")
-    raise ValueError(f"a block hash must be an int or bytes, got {type(value).__name__}")
-
-
-def decode_batch(payload: bytes) -> EventBatch:
-    """Decode the third frame of a KV-event message: `[ts, events]` or `[ts, events, dp_rank]`,
-    each event a positional array (tag first) or a map with `"type"`, in any mix."""
-    try:
-        from msgspec import DecodeError
-        from msgspec.msgpack import decode
-    except ImportError as exc:  # pragma: no cover - the `events` extra is missing
-        raise RuntimeError("decoding KV events needs msgspec (the `events` extra)") from exc
-    try:
-        raw = decode(payload)
-    except DecodeError as exc:
-        raise EventDecodeError(f"not a msgpack event batch: {exc}") from None
-    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
-        raise EventDecodeError("an event batch is an array [ts, events, dp_rank?]")
-    ts = raw[0]
-    if isinstance(ts, bool) or not isinstance(ts, int | float):
-        raise EventDecodeError("the batch timestamp must be a number")
-    dp = raw[2] if len(raw) > 2 else None
-    if isinstance(dp, bool) or not isinstance(dp, int):
-        dp = None
-    events: list[KvEvent] = []
-    skipped = 0
-    for item in raw[1]:
-        try:
-            event = _event(item)
-        except (TypeError, ValueError):
-            event = None
-        if event is None:
-            skipped += 1
-        else:
-            events.append(event)
-    return EventBatch(float(ts), events, dp, skipped)
-
-
-def _event(item: Any) -> KvEvent | None:
-    if isinstance(item, list):
-        if not item or not isinstance(item[0], str):
-            return None
-        tag = item[0]
-        names = _LEGACY_FIELDS.get(tag)
-        if names is None:
-            return None
-        fields = dict(zip(names, item[1:], strict=False))
-    elif isinstance(item, dict):
-        kind = item.get("type")
-        if not isinstance(kind, str) or kind not in _LEGACY_FIELDS:
-            return None
-        tag, fields = kind, item
-    else:
-        return None
-    if tag == "BlockStored":
-        hashes = _hashes(fields.get("block_hashes"))
-        parent = fields.get("parent_block_hash")
-        tokens = fields.get("token_ids")
-        if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
-            raise ValueError("token_ids must be a list of ints")
-        size = fields.get("block_size")
-        if not _is_int(size) or size < 1:
-            raise ValueError("block_size must be a positive int")
-        extra = fields.get("extra_keys")
-        return BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=None if parent is None else engine_hash(parent),
-            token_ids=tokens,
-            block_size=size,
-            lora_id=_opt(fields.get("lora_id"), int),
-            lora_name=_opt(fields.get("lora_name"), str),
-            medium=_opt(fields.get("medium"), str),
-            extra_keys=extra if isinstance(extra, list) else None,
-            group_idx=_opt(fields.get("group_idx"), int),
-            kv_cache_spec_kind=_opt(fields.get("kv_cache_spec_kind"), str),
-            cache_salt=_opt(fields.get("cache_salt"), str),
-        )
-    if tag == "BlockRemoved":
-        return BlockRemoved(
-            block_hashes=_hashes(fields.get("block_hashes")),
-            medium=_opt(fields.get("medium"), str),
-            group_idx=_opt(fields.get("group_idx"), int),
-        )
-    return AllBlocksCleared()
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _opt(value: Any, kind: type) -> Any:
-    """The value if it has the expected type, else None (a field we only read as a hint)."""
-    if kind is int:
-        return value if _is_int(value) else None
-    return value if isinstance(value, kind) else None
-
-
-def _hashes(value: Any) -> list[int]:
-    if not isinstance(value, list):
-        raise ValueError("block_hashes must be a list")
-    return [engine_hash(h) for h in value]
-
 
 # -- applying events to the index -------------------------------------------------------------
 
@@ -295,7 +126,11 @@ class ApplyCounts:
     unknown_removed: int = 0  # BlockRemoved hashes never placed (or already gone)
     mismatched: int = 0  # token ids that do not cut into the event's blocks at our block size
     unscoped: int = 0  # blocks of an adapter, salt or extra key we have no scope for
-    other_medium: int = 0  # blocks of a CPU / disk tier (not what a prefill hits)
+    other_medium: int = 0  # lower-tier blocks of a sink that keeps no tiers (ignored)
+    tier_stored: int = 0  # blocks placed on a lower tier (cpu, disk, shared)
+    tier_removed: int = 0  # blocks taken off a lower tier
+    placeholder: int = 0  # lower-tier BlockStored without token ids (vLLM's legacy offload)
+    unknown_medium: int = 0  # blocks of a medium no engine we know names (ignored, not GPU)
     other_group: int = 0  # blocks of a non-full-attention KV cache group (hybrid models)
     undecoded: int = 0  # events the decoder skipped (unknown tag, malformed fields)
     overflowed: int = 0  # engine-map entries pushed out by its safety cap
@@ -306,8 +141,11 @@ class KvEventApplier:
 
     The gateway never reproduces the engine's hashes: a BlockStored's token ids, hashed after
     the gateway's own hash of the parent block, give the gateway's own hashes (the ones its
-    requests hash to), and `blocks` maps each engine hash to them. Only GPU blocks (medium
-    "GPU" or unset) of full-attention groups count. `scope_for_lora(lora_name)` gives the scope
+    requests hash to), and `blocks` maps each engine hash to them. GPU blocks (medium
+    "GPU" or unset) of full-attention groups go to `record_engine`; blocks of a lower tier
+    (prefix_index/tiers.py: CPU, CPU_PINNED, STORAGE, DISK, EXTERNAL) to `record_tier` when the
+    sink has it. Placeholder offload events (no token ids) and unknown media are counted and
+    ignored. `scope_for_lora(lora_name)` gives the scope
     of a block (None: an adapter the gateway does not route; the block is skipped).
     Apply batches one at a time, in sequence order.
     """
@@ -328,6 +166,10 @@ class KvEventApplier:
         self.blocks = blocks if blocks is not None else EngineBlockMap()
         self.counts = ApplyCounts()
         self._other_groups: set[int] = set()
+        # lower tiers (cpu, disk, shared): engine hash -> own hash per tier, when the sink keeps
+        # tiers (MemoryIndex.record_tier); else their blocks are counted in `other_medium`
+        self.tier_blocks: dict[str, EngineBlockMap] = {}
+        self._tiers = callable(getattr(index, "record_tier", None))
 
     async def apply(self, batch: EventBatch) -> None:
         c = self.counts
@@ -346,6 +188,7 @@ class KvEventApplier:
         """Forget everything about the replica (engine restart, cache cleared, lost events)."""
         self.counts.resets += 1
         self.blocks.clear()
+        self.tier_blocks.clear()
         await self.index.forget(self.replica)
 
     async def _stored(self, ev: BlockStored) -> None:
@@ -353,9 +196,17 @@ class KvEventApplier:
         n = len(ev.block_hashes)
         if not n:
             return
-        if ev.medium is not None and ev.medium.upper() != GPU:
-            c.other_medium += n
+        tier = normalize_medium(ev.medium)
+        if tier is None:
+            c.unknown_medium += n
             return
+        if tier != GPU_TIER:
+            if not ev.token_ids or not ev.block_size:
+                c.placeholder += n  # vLLM's legacy offload event: one key, no tokens, no parent
+                return
+            if not self._tiers:
+                c.other_medium += n
+                return
         if ev.kv_cache_spec_kind is not None and ev.kv_cache_spec_kind != FULL_ATTENTION:
             if ev.group_idx is not None:
                 self._other_groups.add(ev.group_idx)
@@ -371,7 +222,7 @@ class KvEventApplier:
             return
         parent: int | None = None
         if ev.parent_block_hash is not None:
-            placed = self.blocks.get(ev.parent_block_hash)
+            placed = self._placed(ev.parent_block_hash)
             if placed is None or placed[0] != scope:
                 c.unknown_parent += k
                 return
@@ -383,6 +234,15 @@ class KvEventApplier:
         own = self.chunker.hash_tokens_after(scope, parent, tokens)
         if len(own) != k:
             c.mismatched += k
+            return
+        if tier != GPU_TIER:
+            tmap = self.tier_blocks.get(tier)
+            if tmap is None:
+                tmap = self.tier_blocks[tier] = EngineBlockMap(self.blocks.capacity)
+            for eh, oh in zip(ev.block_hashes, own, strict=False):
+                tmap.add(eh, scope, oh)  # the tier's own cap (TierStore) bounds the index side
+            await self.index.record_tier(scope, self.replica, tier, own)  # type: ignore[attr-defined]
+            c.tier_stored += k
             return
         pushed: list[tuple[str, int]] = []
         for eh, oh in zip(ev.block_hashes, own, strict=False):
@@ -413,8 +273,12 @@ class KvEventApplier:
     async def _removed(self, ev: BlockRemoved) -> None:
         c = self.counts
         n = len(ev.block_hashes)
-        if ev.medium is not None and ev.medium.upper() != GPU:
-            c.other_medium += n
+        tier = normalize_medium(ev.medium)
+        if tier is None:
+            c.unknown_medium += n
+            return
+        if tier != GPU_TIER:
+            await self._removed_tier(tier, ev.block_hashes)
             return
         if ev.group_idx is not None and ev.group_idx in self._other_groups:
             c.other_group += n
@@ -429,6 +293,34 @@ class KvEventApplier:
         if gone:
             c.removed += len(gone)
             await self._evict(gone)
+
+    async def _removed_tier(self, tier: str, hashes: list[int]) -> None:
+        c = self.counts
+        tmap = self.tier_blocks.get(tier)
+        if tmap is None:
+            c.unknown_removed += len(hashes)  # placeholders land here too: never placed
+            return
+        by_scope: dict[str, list[int]] = {}
+        for eh in hashes:
+            out = tmap.remove(eh)
+            if out is None:
+                c.unknown_removed += 1
+            elif out[2]:
+                by_scope.setdefault(out[0], []).append(out[1])
+        for scope, owns in by_scope.items():
+            c.tier_removed += len(owns)
+            await self.index.evict_tier(scope, self.replica, tier, owns)  # type: ignore[attr-defined]
+
+    def _placed(self, engine_hash: int) -> tuple[str, int] | None:
+        """Where an engine hash was placed: on the GPU, else on a lower tier (a chain spilled
+        block by block continues on the tier its parent went to)."""
+        placed = self.blocks.get(engine_hash)
+        if placed is None:
+            for tmap in self.tier_blocks.values():
+                placed = tmap.get(engine_hash)
+                if placed is not None:
+                    break
+        return placed
 
     async def _evict(self, blocks: list[tuple[str, int]]) -> None:
         by_scope: dict[str, list[int]] = {}

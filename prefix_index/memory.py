@@ -24,6 +24,7 @@ from prefix_index.constants import (
     DEFAULT_MAX_BLOCKS,
     DEFAULT_ROUTED_TTL_S,
 )
+from prefix_index.tiers import TierStore
 
 _INT_BYTES = 36  # a 64-bit hash as a Python int
 
@@ -70,6 +71,7 @@ class MemoryIndex(BoundedScopes, PrefixIndex, EngineEventSink):
         self._engine_capacity = engine_capacity_blocks
         self._precise: set[str] = set()
         self.engine_trimmed = 0
+        self.tiers = TierStore(engine_capacity_blocks)  # cpu, disk, shared: prefix_index/tiers.py
         super().__init__(capacity_blocks, ttl_ms, clock, max_blocks)
 
     # -- the contract -------------------------------------------------------------------------
@@ -93,6 +95,22 @@ class MemoryIndex(BoundedScopes, PrefixIndex, EngineEventSink):
 
     async def evict_engine(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         self.evict_engine_now(scope, replica, hashes)
+
+    async def record_tier(
+        self, scope: str, replica: str, tier: str, hashes: Sequence[int]
+    ) -> None:
+        """The engine reported blocks stored on a lower tier (cpu, disk, shared)."""
+        self.tiers.record(scope, replica, tier, hashes)
+
+    async def evict_tier(self, scope: str, replica: str, tier: str, hashes: Sequence[int]) -> None:
+        self.tiers.evict(scope, replica, tier, hashes)
+
+    def match_tiers(
+        self, scope: str, hashes: Sequence[int], gpu: dict[str, int]
+    ) -> dict[str, dict[str, int]]:
+        """Per replica, the blocks after its GPU depth (`gpu`, what `match` said) that its
+        lower tiers or the shared store hold, by tier; replicas with none are left out."""
+        return self.tiers.match(scope, hashes, gpu)
 
     async def aclose(self) -> None:
         return None
@@ -211,6 +229,7 @@ class MemoryIndex(BoundedScopes, PrefixIndex, EngineEventSink):
 
     def forget_now(self, replica: str) -> None:
         """Drop everything the replica holds, in every scope (it restarted or left)."""
+        self.tiers.forget(replica)
         slot = self._slots.pop(replica, None)
         if slot is None:
             return

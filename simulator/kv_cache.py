@@ -8,9 +8,12 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
+
+if TYPE_CHECKING:
+    from simulator.tiers import Tiers
 
 _xxh64 = xxhash.xxh3_64_intdigest
 
@@ -88,6 +91,8 @@ class PrefixCache:
         # KV events, when a publisher listens: ("stored", hashes, parent | None, token ids),
         # ("removed", hash), ("cleared",), in the order they happen; the publisher drains it.
         self.events: list[tuple[Any, ...]] | None = None
+        # lower tiers (simulator/tiers.py): evictions spill there, prefixes found there load
+        self.tiers: Tiers | None = None
 
     @property
     def num_free(self) -> int:
@@ -111,10 +116,35 @@ class PrefixCache:
         i = 0
         while i < n and hashes[i] in table:
             i += 1
+        if self.tiers is not None:  # the run goes on through blocks a lower tier can load
+            where = self.tiers.where
+            while i < n and (hashes[i] in table or where(hashes[i]) is not None):
+                i += 1
         return i
 
     def cached_blocks(self, hashes: Sequence[int]) -> list[int]:
-        return [self.table[h] for h in hashes]
+        """The GPU blocks of a prefix `longest_prefix` found; blocks on a lower tier are loaded
+        into fresh GPU blocks first (fewer returned when the GPU has no free block for them)."""
+        if self.tiers is None:
+            return [self.table[h] for h in hashes]
+        table, out, loaded = self.table, [], []
+        for h in hashes:
+            b = table.get(h)
+            if b is None:
+                got = self.allocate(1)
+                if got is None:
+                    break
+                b = got[0]
+                self.register(b, h)
+                loaded.append(h)
+                if self.events is not None:
+                    self.events.append(("promoted", h))
+            else:
+                self.acquire([b])  # pinned: loading the rest must not evict it
+            out.append(b)
+        self.release(out)
+        self.tiers.load(loaded)
+        return out
 
     def count_free_among(self, blocks: Iterable[int]) -> int:
         ref = self.ref
@@ -140,6 +170,8 @@ class PrefixCache:
             if h is not None:
                 if table.get(h) == b:
                     del table[h]
+                    if self.tiers is not None:  # stored below before it leaves the GPU
+                        self.tiers.spill(h, self.events)
                     if self.events is not None:
                         self.events.append(("removed", h))
                 hash_of[b] = None
@@ -154,6 +186,8 @@ class PrefixCache:
         if self.enabled and h not in self.table:
             self.table[h] = block
             self.hash_of[block] = h
+            if self.tiers is not None:
+                self.tiers.computed(h)
             return True
         return False
 

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from simulator.config import KvEventsOptions
 from simulator.kv_cache import PrefixCache
+from simulator.tiers import EventTokens
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +28,13 @@ PUB_HWM = 100_000  # vLLM's `hwm`: batches queued per subscriber before PUB drop
 def encode_event(event: tuple[Any, ...], encoding: str, block_size: int) -> Any:
     """One engine event (see PrefixCache.events) in vLLM's shape, before msgpack."""
     kind = event[0]
-    if kind == "stored":
-        _, hashes, parent, tokens = event
+    if kind == "stored":  # a lower tier's (simulator/tiers.py) has a fifth element: its medium
+        _, hashes, parent, tokens = event[:4]
+        medium = event[4] if len(event) > 4 else "GPU"
+        if not tokens:  # vLLM's legacy placeholder offload event: no tokens, no parent, size 0
+            block_size, parent = 0, None
         if encoding == "legacy":  # tag, block_hashes, parent, token_ids, block_size, lora_id, medium
-            return ["BlockStored", hashes, parent, tokens, block_size, None, "GPU"]
+            return ["BlockStored", hashes, parent, tokens, block_size, None, medium]
         return {
             "type": "BlockStored",
             "block_hashes": hashes,
@@ -38,16 +42,17 @@ def encode_event(event: tuple[Any, ...], encoding: str, block_size: int) -> Any:
             "token_ids": tokens,
             "block_size": block_size,
             "lora_id": None,
-            "medium": "GPU",
+            "medium": medium,
             "lora_name": None,
             "extra_keys": [None] * len(hashes),
             "group_idx": 0,
             "kv_cache_spec_kind": "full_attention",
         }
     if kind == "removed":
+        medium = event[2] if len(event) > 2 else "GPU"
         if encoding == "legacy":
-            return ["BlockRemoved", [event[1]], "GPU"]
-        return {"type": "BlockRemoved", "block_hashes": [event[1]], "medium": "GPU", "group_idx": 0}
+            return ["BlockRemoved", [event[1]], medium]
+        return {"type": "BlockRemoved", "block_hashes": [event[1]], "medium": medium, "group_idx": 0}
     if encoding == "legacy":
         return ["AllBlocksCleared"]
     return {"type": "AllBlocksCleared"}
@@ -77,6 +82,7 @@ class KvEventPublisher:
         self.replay_port = options.replay_port
         self._topic = options.topic.encode("utf-8")
         self._seq = 0
+        self._tokens = EventTokens()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=options.buffer_steps)
         self._drop = 0
         self._replayable = True
@@ -140,6 +146,8 @@ class KvEventPublisher:
         if not events or self._pub is None:
             return
         self.cache.events = []
+        if self.cache.tiers is not None:  # tier events with the tokens vLLM's self-describing ones carry
+            events = self._tokens.expand(events, placeholders=self.options.tier_placeholders)
         payload = encode_batch(events, self.options.encoding, self.cache.block_size, time.time())
         seq = self._seq
         self._seq += 1

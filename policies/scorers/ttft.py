@@ -23,9 +23,17 @@ Across a fleet of gateways (shared load, gateway/fleet_load.py) each gateway sha
 decayed sums (`share`) and folds in the others' (`absorb`): the sums add, so every gateway fits
 the same coefficients from all of the fleet's observations (as of the last tick).
 
+Blocks a replica holds on a lower KV tier (`ReplicaView.tier_hits`: host memory, disk, the
+pool's shared store; docs/tiers.md) are priced in seconds by default (`tiers: seconds`): they
+are not recomputed but loaded, at tokens x `kv_bytes_per_token` / that tier's bandwidth
+(`tier_gbps`, GB/s). `tiers: weights` credits them as a fraction of a GPU hit instead
+(`tier_weights`, Dynamo's defaults: cpu 0.75, disk 0.25, shared 0.5), for comparison; `tiers:
+off` ignores them (GPU-only routing).
+
     scorers:
       ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99,
-             lora_load_s: 0.3}
+             lora_load_s: 0.3, tiers: seconds, kv_bytes_per_token: 131072,
+             tier_gbps: {cpu: 50, disk: 7, shared: 12.5}}
 """
 
 from __future__ import annotations
@@ -40,6 +48,11 @@ from policies.types import Outcome, ReplicaView, RoutedRequest
 _KTOK = 1000.0  # the fit works in thousands of tokens, so the three features have similar scale
 _FLOOR_S = 1e-4  # a predicted TTFT never reaches 0, so scores stay finite
 _MAX_REPLICAS = 4096  # bound on per-replica state if replica names churn
+# reference §4.4: PCIe Gen5 DMA ~50 GB/s one way; one Gen4 NVMe ~7 GB/s; a 100 Gb/s store link
+TIER_GBPS = {"cpu": 50.0, "disk": 7.0, "shared": 12.5}
+TIER_WEIGHTS = {"cpu": 0.75, "disk": 0.25, "shared": 0.5}  # Dynamo's overlap credits
+KV_BYTES_PER_TOKEN = 131072  # Llama-3.1-8B (vLLM blog: 2 MB per 16-token block)
+TIER_MODES = ("seconds", "weights", "off")
 
 
 class _Fit:
@@ -95,6 +108,10 @@ class TTFTScorer(Scorer):
         prior_weight: float = 4.0,
         decay: float = 0.99,
         lora_load_s: float = 0.3,
+        tiers: str = "seconds",
+        kv_bytes_per_token: float = KV_BYTES_PER_TOKEN,
+        tier_gbps: Mapping[str, float] | None = None,
+        tier_weights: Mapping[str, float] | None = None,
     ) -> None:
         if not prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s!r}")
@@ -104,6 +121,17 @@ class TTFTScorer(Scorer):
             raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        if tiers not in TIER_MODES:
+            raise ValueError(f"tiers must be one of {TIER_MODES}, got {tiers!r}")
+        if not kv_bytes_per_token > 0:
+            raise ValueError(f"kv_bytes_per_token must be > 0, got {kv_bytes_per_token!r}")
+        gbps = {**TIER_GBPS, **(tier_gbps or {})}
+        if not all(g > 0 for g in gbps.values()):
+            raise ValueError(f"tier_gbps must be > 0, got {gbps!r}")
+        self.tiers = tiers
+        # seconds per token loaded from each tier; or the GPU-hit share a tier's block is worth
+        self.load_s_per_token = {t: kv_bytes_per_token / (g * 1e9) for t, g in gbps.items()}
+        self.tier_weights = {**TIER_WEIGHTS, **(tier_weights or {})}
         per_token = 1.0 / prefill_tokens_per_s
         self._prior_k = (float(base_s), per_token * _KTOK, per_token * _KTOK)  # per 1k tokens
         self.prior = (float(base_s), per_token, per_token)  # a [s], b [s/token], c [s/token]
@@ -123,7 +151,10 @@ class TTFTScorer(Scorer):
         """Predicted TTFT in seconds if `req` went to `view`."""
         a, b, c = self._coef.get(view.name, self._pooled)
         uncached = max(0.0, req.prompt_tokens - view.hit_blocks * req.tokens_per_block)
-        t = a + b * uncached + c * view.inflight_prompt_tokens
+        load = 0.0
+        if view.tier_hits and self.tiers != "off":
+            uncached, load = self._tiered(view.tier_hits, uncached, req.tokens_per_block)
+        t = a + b * uncached + c * view.inflight_prompt_tokens + load
         if view.lora is not None:
             t += self.lora.extra_s(req.model, view.lora)
         return max(_FLOOR_S, t)
@@ -136,11 +167,29 @@ class TTFTScorer(Scorer):
             a, b, c = coef.get(v.name, prior)
             uncached = prompt - v.hit_blocks * tpb
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
+            if v.tier_hits and self.tiers != "off":
+                left, load = self._tiered(v.tier_hits, max(0.0, uncached), tpb)
+                t += b * (left - max(0.0, uncached)) + load
             if v.lora is not None:
                 t += self.lora.extra_s(req.model, v.lora)
             pred[v.name] = t if t > _FLOOR_S else _FLOOR_S
         best = min(pred.values(), default=_FLOOR_S)
         return {name: best / t for name, t in pred.items()}
+
+    def _tiered(
+        self, hits: Mapping[str, int], uncached: float, tpb: float
+    ) -> tuple[float, float]:
+        """(tokens still to recompute, seconds to load the rest) given lower-tier hits."""
+        load = 0.0
+        seconds = self.tiers == "seconds"
+        for tier, blocks in hits.items():
+            tokens = min(uncached, blocks * tpb)
+            if seconds:
+                load += tokens * self.load_s_per_token.get(tier, math.inf)
+                uncached -= tokens
+            else:
+                uncached -= tokens * self.tier_weights.get(tier, 0.0)  # unknown: worth nothing
+        return uncached, load
 
     def observe(self, outcome: Outcome) -> None:
         y = outcome.ttft_s
@@ -154,6 +203,10 @@ class TTFTScorer(Scorer):
                 self._coef.pop(oldest, None)
             fit = self._fits[outcome.replica] = _Fit()
         u = max(0, outcome.prompt_tokens - outcome.predicted_hit_tokens) / _KTOK
+        if outcome.tier_tokens and self.tiers == "seconds":  # loaded, not recomputed
+            per = self.load_s_per_token
+            u = max(0.0, u - sum(outcome.tier_tokens.values()) / _KTOK)
+            y = max(0.0, y - sum(n * per.get(t, 0.0) for t, n in outcome.tier_tokens.items()))
         q = max(0, outcome.queued_prompt_tokens_at_dispatch) / _KTOK
         if outcome.adapter_load:  # learn the load from the residual, fit the rest without it
             a, b, c = self._coef.get(outcome.replica, self._pooled)

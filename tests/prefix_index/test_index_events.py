@@ -229,13 +229,13 @@ async def test_only_gpu_full_attention_blocks_count() -> None:
     index = MemoryIndex()
     app = applier(index)
     await app.apply(batch(stored(0, 2, medium="CPU"), stored(0, 2, medium=None)))
-    assert app.counts.other_medium == 2 and app.counts.stored == 2
+    assert app.counts.tier_stored == 2 and app.counts.stored == 2  # CPU: a lower tier
     sliding = stored(2, 4, group_idx=1, kv_cache_spec_kind="sliding_window")
     await app.apply(batch(sliding, stored(2, 4, group_idx=0, kv_cache_spec_kind="full_attention")))
     await app.apply(batch(BlockRemoved([eh(3)], "GPU", group_idx=1)))  # the sliding copy
     await app.apply(batch(BlockRemoved([eh(1)], "CPU")))  # an offloaded copy
     assert await index.match(S, OWN, ["r1"]) == {"r1": 4}
-    assert app.counts.other_group == 3 and app.counts.other_medium == 3
+    assert app.counts.other_group == 3 and app.counts.tier_removed == 1
 
 
 async def test_a_hash_stored_twice_goes_when_both_copies_go() -> None:

@@ -1,0 +1,241 @@
+"""Tiered-KV benchmark: long contexts whose working set is several times the fleet's GPU KV.
+
+RAG over large documents: each request is one of `--docs` documents of 16-24K tokens (Zipf
+popularity) plus a question, as `/v1/completions` token ids, through the gateway's own routing
+unit in the discrete-event simulator with KV events on (bench/routing_routers.py,
+PreciseDesRouter; tier events with self-describing tokens, simulator/tiers.py). Fleets:
+(a) GPU only, (b) GPU + a host tier per replica, (c) GPU + host + a pool-wide shared store.
+Routers: round robin, GPU-only-aware (`ttft`, tiers off: today's), tier-aware with fixed
+weights (Dynamo's 0.75 / 0.25 / 0.5), tier-aware in seconds (the TTFT scorer's load time).
+docs/tiers.md has the goal and a run.
+
+    .venv/bin/python -m bench.tiers              # ~2 min
+    .venv/bin/python -m bench.tiers --quick      # a smoke run, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from bench.routing_routers import MODEL, DesRouter, PreciseDesRouter
+from prefix_index.chunking import scope_key
+from prefix_index.events import BlockRemoved, BlockStored, EventBatch, KvEventApplier
+from prefix_index.tiers import TierAudit
+from simulator.des import Cluster, ReplicaLoad, SimRequest, run
+from simulator.stats import percentile
+from simulator.tiers import EventTokens, SharedStore, attach_shared
+
+N_REPLICAS = 4
+BLOCK = 16
+FLEETS = ("gpu", "gpu+host", "gpu+host+shared")
+ROUTERS = ("round_robin", "gpu_aware", "tier_weights", "tier_seconds")
+TIER_MODE = {"gpu_aware": "off", "tier_weights": "weights", "tier_seconds": "seconds"}
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    docs: int = 60
+    doc_tokens: tuple[int, int] = (16_000, 24_000)
+    question_tokens: int = 96
+    requests: int = 480
+    rate: float = 1.2  # requests per second, Poisson
+    zipf: float = 0.9
+    max_tokens: int = 32
+    host_x: float = 4.0  # host tier per replica, in multiples of its GPU KV
+    shared_x: float = 2.0  # shared store, in multiples of the working set
+    seed: int = 0
+    gpu_blocks: int = 4096  # 64K tokens of KV per replica (qwen2.5-14b: 192 KiB a token)
+
+
+def requests(w: Workload) -> tuple[list[SimRequest], int]:
+    """The trace and its working set in tokens."""
+    rng = random.Random(w.seed)
+    docs = [[rng.randrange(1000, 60_000) for _ in range(rng.randint(*w.doc_tokens))]
+            for _ in range(w.docs)]  # fmt: skip
+    weights = [1.0 / (k + 1) ** w.zipf for k in range(w.docs)]
+    t, out = 0.0, []
+    for i in range(w.requests):
+        t += rng.expovariate(w.rate)
+        d = rng.choices(range(w.docs), weights)[0]
+        q = [rng.randrange(1000, 60_000) for _ in range(w.question_tokens)]
+        out.append(SimRequest(f"q{i}", t, docs[d] + q, w.max_tokens, meta={"doc": d}))
+    return out, sum(map(len, docs))
+
+
+def cluster(fleet: str, w: Workload, working_set: int) -> tuple[Cluster, SharedStore | None]:
+    kv = w.gpu_blocks * BLOCK
+    bpt = Cluster(1, num_gpu_blocks=w.gpu_blocks, max_model_len=kv).config.perf.kv_bytes_per_token
+    host_gb = w.host_x * kv * bpt / 1e9 if fleet != "gpu" else None
+    c = Cluster(N_REPLICAS, num_gpu_blocks=w.gpu_blocks, max_model_len=kv,
+                cpu_kv_gb=host_gb, seed=w.seed)  # fmt: skip
+    store = None
+    if fleet.endswith("shared"):
+        store = SharedStore(int(w.shared_x * working_set / BLOCK))
+        store.events = []
+        attach_shared(c.engines, store)
+    return c, store
+
+
+class TierRouter(PreciseDesRouter):
+    """PreciseDesRouter with tier events: each engine's events (and the shared store's, as
+    one more publisher) pass EventTokens (self-describing CPU / EXTERNAL events) and the
+    gateway's KvEventApplier, which places them on the index's tiers. `audit`: predicted vs
+    served prefix tokens by tier."""
+
+    def __init__(self, policy: Any, c: Cluster, store: SharedStore | None, label: str) -> None:
+        self.label = label
+        super().__init__(policy, c, routed_ttl_s=10.0)
+        self.name = label
+        self.store = store
+        self.tokens = EventTokens()
+        index = self.gw.index
+        assert index is not None
+        scope = scope_key(MODEL)
+        self.store_applier = KvEventApplier(index, self.gw.chunker, lambda lora: scope, "store")  # type: ignore[arg-type]
+        self.audit = TierAudit()
+        self.tier_pred: dict[str, dict[str, int] | None] = {}
+
+    async def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
+        self.now = req.arrival_s
+        for engine, applier in zip(self.engines, self.appliers, strict=True):
+            await self._drain(engine.cache, applier)
+        if self.store is not None:
+            await self._drain(self.store, self.store_applier)
+        name = await DesRouter.route(self, req, view)
+        d = self.pending[req.id]
+        self.tier_pred[req.id] = d.tier_tokens()
+        return name
+
+    async def _drain(self, source: Any, applier: KvEventApplier) -> None:
+        raw = source.events
+        if raw:
+            source.events = []
+            events = [self._tier_event(e) for e in self.tokens.expand(raw)]
+            await applier.apply(EventBatch(self.now, events))
+
+    def _tier_event(self, e: tuple[Any, ...]) -> Any:
+        if e[0] == "stored":
+            medium = e[4] if len(e) > 4 else "GPU"
+            size = self.block_size if e[3] else 0
+            return BlockStored(list(e[1]), e[2], list(e[3]), size, medium=medium)
+        if e[0] == "removed":
+            return BlockRemoved([e[1]], e[2] if len(e) > 2 else "GPU")
+        return self._event(e)
+
+    async def on_finish(self, req: SimRequest, replica: int, record: Any) -> None:
+        self.audit.observe(self.predicted[req.id], self.tier_pred.pop(req.id), record.cached_tokens)
+        await super().on_finish(req, replica, record)
+
+
+def make_router(name: str, c: Cluster, store: SharedStore | None) -> Any:
+    if name == "round_robin":
+        return DesRouter("round_robin", len(c.engines), label=name)
+    ttft = {"weight": 1, "tiers": TIER_MODE[name],
+            "kv_bytes_per_token": c.config.perf.kv_bytes_per_token}  # fmt: skip
+    policy = {"scorers": {"ttft": ttft}, "picker": "max_score", "guard": False}
+    return TierRouter(policy, c, store, name)
+
+
+@dataclass(slots=True)
+class Row:
+    fleet: str
+    router: str
+    hit: float
+    by_tier: dict[str, float]
+    saved: float
+    p50: float
+    p99: float
+    unserved: dict[str, int]
+
+
+async def one(fleet: str, name: str, w: Workload) -> Row:
+    reqs, working_set = requests(w)
+    c, store = cluster(fleet, w, working_set)
+    router = make_router(name, c, store)
+    res = await run(reqs, c, router)
+    prompt = sum(r.prompt_tokens for r in res.records)
+    cached = sum(r.cached_tokens for r in res.records)
+    loaded = {"cpu": 0, "shared": 0}
+    for e in c.engines:
+        if e.cache.tiers is not None:
+            for t in loaded:
+                loaded[t] += e.cache.tiers.counters.hit_tokens[t]
+    by_tier = {"gpu": (cached - sum(loaded.values())) / prompt,
+               **{t: n / prompt for t, n in loaded.items()}}
+    ttfts = [r.ttft_s for r in res.records]
+    audit = getattr(router, "audit", None)
+    unserved = dict(audit.unserved) if audit is not None else {}
+    return Row(fleet, name, cached / prompt, by_tier, cached / prompt,
+               percentile(ttfts, 50), percentile(ttfts, 99), unserved)
+
+
+def table(rows: list[Row]) -> str:
+    head = (f"{'fleet':17} {'router':13} {'hit':>5} {'gpu':>5} {'cpu':>5} {'shared':>6} "
+            f"{'saved':>6} {'TTFT p50':>9} {'TTFT p99':>9}  unserved predicted tokens")
+    lines = [head]
+    for r in rows:
+        miss = " ".join(f"{t}={n}" for t, n in r.unserved.items() if n) or "-"
+        lines.append(
+            f"{r.fleet:17} {r.router:13} {r.hit:5.2f} {r.by_tier['gpu']:5.2f} "
+            f"{r.by_tier['cpu']:5.2f} {r.by_tier['shared']:6.2f} {r.saved:6.0%} "
+            f"{r.p50:8.2f}s {r.p99:8.2f}s  {miss}"
+        )
+    return "\n".join(lines)
+
+
+def goals(rows: list[Row]) -> list[str]:
+    """The issue's goal: tier_seconds has the lowest TTFT P99 in (b) and (c), and saves >= 60%
+    of the prefill compute at a combined hit ratio of 0.8 or more."""
+    out = []
+    for fleet in FLEETS[1:]:
+        mine = [r for r in rows if r.fleet == fleet]
+        if not any(r.router == "tier_seconds" for r in mine):
+            continue
+        best = min(mine, key=lambda r: r.p99)
+        sec = next(r for r in mine if r.router == "tier_seconds")
+        ok = best.router == "tier_seconds"
+        out.append(f"{fleet}: lowest p99 {best.router} ({best.p99:.2f}s) "
+                   f"{'MET' if ok else 'NOT MET'}; tier_seconds saves {sec.saved:.0%} at hit "
+                   f"{sec.hit:.2f} {'MET' if sec.saved >= 0.6 and sec.hit >= 0.8 else 'NOT MET'}")
+    return out
+
+
+async def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.tiers", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
+    ap.add_argument("--fleets", nargs="*", default=list(FLEETS), choices=FLEETS)
+    ap.add_argument("--routers", nargs="*", default=list(ROUTERS), choices=ROUTERS)
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    w = Workload(seed=args.seed)
+    if args.quick:
+        w = Workload(docs=16, doc_tokens=(4000, 6000), requests=80, rate=4.0, seed=args.seed,
+                     gpu_blocks=512)
+    if args.requests:
+        w = replace(w, requests=args.requests)
+    _, working_set = requests(w)
+    gpu_total = N_REPLICAS * w.gpu_blocks * BLOCK
+    print(f"working set {working_set:,} tokens = {working_set / gpu_total:.1f}x the fleet's GPU KV "
+          f"({N_REPLICAS} x {w.gpu_blocks * BLOCK:,}); {w.requests} requests at {w.rate}/s")
+    rows = []
+    t0 = time.perf_counter()
+    for fleet in args.fleets:
+        for name in args.routers:
+            rows.append(await one(fleet, name, w))
+    print(table(rows))
+    for line in goals(rows):
+        print(line)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,118 @@
+"""Simulator KV tiers: GPU evictions spill to host memory, a prefix found there loads (and
+the step pays the load), the shared store serves every replica, events carry the medium."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from simulator.des import Cluster, RoundRobin, SimRequest, run
+from simulator.kv_cache import PrefixCache
+from simulator.tiers import EventTokens, SharedStore, Tiers, attach_shared
+
+BS = 16
+PROMPT = 2048  # 128 blocks
+
+
+def prompt(seed: int, n: int = PROMPT) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 50_000) for _ in range(n)]
+
+
+def trace(*prompts: list[int], gap_s: float = 5.0) -> list[SimRequest]:
+    return [SimRequest(f"r{i}", i * gap_s, p, 1) for i, p in enumerate(prompts)]
+
+
+def cluster(n: int = 1, **kw: object) -> Cluster:
+    # 300 GPU blocks (4800 tokens): three 2K prompts after A push all of its blocks out
+    return Cluster(n, num_gpu_blocks=300, max_model_len=4096, **kw)  # type: ignore[arg-type]
+
+
+async def ttft_of_return(c: Cluster) -> tuple[float, int]:
+    a = prompt(1)
+    again = a[:-16] + prompt(9, 16)  # A's prefix, a new last block
+    res = await run(trace(a, prompt(2), prompt(3), prompt(4), again), c, RoundRobin())
+    rec = res.records[-1]
+    return rec.ttft_s, rec.cached_tokens
+
+
+async def test_an_evicted_prefix_loads_from_the_host_tier() -> None:
+    cold_ttft, cold_hit = await ttft_of_return(cluster())
+    c = cluster(cpu_kv_gb=4.0)
+    warm_ttft, warm_hit = await ttft_of_return(c)
+    assert cold_hit == 0  # GPU only: A was evicted
+    assert warm_hit == PROMPT - BS  # everything but the new last block came from the host
+    tiers = c.engines[0].cache.tiers
+    assert tiers is not None and tiers.counters.hit_tokens["cpu"] == warm_hit
+    bpt = c.config.perf.kv_bytes_per_token
+    load_s = warm_hit * bpt / 50e9
+    assert tiers.counters.load_s == pytest.approx(load_s)
+    assert tiers.counters.spilled >= PROMPT // BS
+    assert load_s < warm_ttft < cold_ttft  # loading costs time, less than recomputing
+
+
+async def test_the_shared_store_serves_another_replica() -> None:
+    c = cluster(2)
+    store = SharedStore(10_000)
+    attach_shared(c.engines, store)
+    a = prompt(1)
+    res = await run(trace(a, a[:-16] + prompt(9, 16)), c, RoundRobin())  # r0, then r1
+    assert [r.replica for r in res.records] == [0, 1]
+    assert res.records[1].cached_tokens == PROMPT - BS
+    t1 = c.engines[1].cache.tiers
+    assert t1 is not None and t1.counters.hit_tokens["shared"] == PROMPT - BS
+    assert t1.counters.load_s == pytest.approx((PROMPT - BS) * c.config.perf.kv_bytes_per_token
+                                               / 12.5e9)
+
+
+def test_spill_and_load_emit_tiered_events() -> None:
+    cache = PrefixCache(4, BS)
+    cache.tiers = Tiers(8, block_size=BS, bytes_per_token=1000.0)
+    cache.events = []
+    tokens = list(range(BS * 2))
+    blocks = cache.allocate(2)
+    assert blocks is not None
+    cache.register(blocks[0], 11)
+    cache.register(blocks[1], 12)
+    cache.events.append(("stored", [11, 12], None, tokens))  # as the scheduler reports it
+    cache.release(blocks)
+    assert cache.allocate(4) is not None  # evicts both: spilled to the CPU tier
+    assert cache.longest_prefix([11, 12]) == 2 and not cache.table
+    out = EventTokens().expand(cache.events)
+    assert out[0] == ("stored", [11, 12], None, tokens)
+    assert ("stored", [11], None, tokens[:BS], "CPU") in out
+    assert ("stored", [12], 11, tokens[BS:], "CPU") in out
+    assert ("removed", 11) in out and ("removed", 12) in out
+    assert out.index(("stored", [11], None, tokens[:BS], "CPU")) < out.index(("removed", 11))
+    placeholders = EventTokens().expand(cache.events, placeholders=True)
+    assert ("stored", [11], None, [], "CPU") in placeholders
+
+
+def test_a_load_waits_for_free_gpu_blocks() -> None:
+    cache = PrefixCache(2, BS)
+    cache.tiers = Tiers(8, block_size=BS, bytes_per_token=1000.0)
+    for h in (1, 2, 3):
+        cache.tiers.spill(h, None)
+    held = cache.allocate(1)  # one block in use: room to load only one
+    assert held is not None
+    assert len(cache.cached_blocks([1, 2, 3])) == 1
+    assert cache.tiers.take_load_s() == pytest.approx(BS * 1000.0 / 50e9)
+
+
+@pytest.mark.parametrize("encoding", ["map", "legacy"])
+def test_the_publisher_encodes_the_medium(encoding: str) -> None:
+    pytest.importorskip("msgspec")
+    from prefix_index.event_decode import BlockRemoved, BlockStored, decode_batch
+    from simulator.kv_publisher import encode_batch
+
+    tokens = list(range(BS))
+    events = [("stored", [11], 10, tokens, "CPU"), ("stored", [12], None, [], "CPU"),
+              ("removed", 11, "CPU"), ("stored", [13], None, tokens)]  # fmt: skip
+    got = decode_batch(encode_batch(events, encoding, BS, 0.0)).events
+    assert isinstance(got[0], BlockStored) and got[0].medium == "CPU"
+    assert (got[0].parent_block_hash, got[0].token_ids, got[0].block_size) == (10, tokens, BS)
+    assert isinstance(got[1], BlockStored)
+    assert (got[1].token_ids, got[1].block_size, got[1].medium) == ([], 0, "CPU")  # placeholder
+    assert got[2] == BlockRemoved([11], medium="CPU", group_idx=0 if encoding == "map" else None)
+    assert isinstance(got[3], BlockStored) and got[3].medium == "GPU"
