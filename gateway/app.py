@@ -246,8 +246,9 @@ def create_app(
 
     async def ready(request: Request) -> Response:
         now = time.monotonic()
-        pools = {  # proven replicas: circuit closed; a half-open one is on trial, not counted
-            name: sum(1 for r in pool.replicas if r.proven(now))
+        pools = {  # proven replicas: circuit closed; a half-open one is on trial, not counted;
+            # a P/D pool counts its weaker set (with either set down it serves nothing)
+            name: min(sum(1 for r in part.replicas if r.proven(now)) for part in pool.parts())
             for name, pool in gateway.pools.items()
         }
         ok = all(n > 0 for n in pools.values())

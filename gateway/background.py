@@ -89,7 +89,7 @@ class Background:
         """Monitors for every live replica; a replica's index capacity set when it appears, and
         every replica's again when the snapshot brings a new index (a reload that changed it)."""
         fresh_index, self._index = snap.index is not self._index, snap.index
-        for pool in snap.pools.values():
+        for pool in (part for p in snap.pools.values() for part in p.parts()):
             for r in pool.replicas:
                 known = id(r) in self._monitors
                 if fresh_index or not known:

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .config_errors import describe_errors
+from .config_pd import PdSetConfig
 from .config_sections import (
     AdmissionConfig,
     ChunkingConfig,
@@ -64,6 +65,8 @@ __all__ = [
     "mask_url_passwords",
     "parse_config",
 ]
+
+PoolConfig.model_rebuild(_types_namespace={"PdSetConfig": PdSetConfig})  # config_pd imports us
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import fnmatch
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from .discovery import DiscoveryConfig
+
+if TYPE_CHECKING:
+    from .config_pd import PdSetConfig
 
 
 class _Strict(BaseModel):
@@ -178,6 +181,9 @@ class PoolConfig(_Strict):
     capacity_blocks: int | None = Field(None, ge=1)
     upstream_api_key: SecretStr | None = None
     lora: LoraConfig = LoraConfig()
+    protocol: Literal["vllm-nixl", "sglang"] | None = None  # P/D: two sets (config_pd.py)
+    prefill: PdSetConfig | None = None
+    decode: PdSetConfig | None = None
 
     @field_validator("replicas", mode="before")
     @classmethod
@@ -199,6 +205,12 @@ class PoolConfig(_Strict):
 
     @model_validator(mode="after")
     def _replicas_or_discovery(self) -> PoolConfig:
+        from .config_pd import pd_problem
+
+        if (problem := pd_problem(self)) is not None:
+            raise ValueError(problem)
+        if self.prefill is not None:
+            return self
         if self.discovery is None and not self.replicas:
             raise ValueError(
                 "replicas: required (a list of replica URLs), unless `discovery` is set"

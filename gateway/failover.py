@@ -65,6 +65,7 @@ class Forwarded:
     # t_start, t_end (0: the answer's, t_last), status (0: none), the failover outcome of
     # gateway_upstream_attempts_total (None: this replica answered))
     attempts: list[tuple[str, str, int, int, int, str | None]] = field(default_factory=list)
+    pd_prefill: tuple[int, int] = (0, 0)  # a P/D request's prefill leg that served (gateway/pd.py)
 
 
 class Failover:
@@ -107,7 +108,7 @@ class Failover:
                 except Retryable as exc:
                     await current.failed(exc.reason)
                     failures.append((name, exc))
-                    outcome = _attempt_outcome(exc)
+                    outcome = attempt_outcome(exc)
                     fwd.attempts.append(
                         (name, current.replica.url, t_sent, time.perf_counter_ns(), exc.status or 0, outcome)
                     )  # fmt: skip
@@ -225,7 +226,8 @@ def timeout_fired(
     return "first_byte_s"
 
 
-def _attempt_outcome(exc: Retryable) -> str:
+def attempt_outcome(exc: Retryable) -> str:
+    """A failed attempt's outcome label (gateway_upstream_attempts_total, the P/D legs')."""
     if exc.status is not None:
         return f"status_{exc.status}"
     if exc.reason.startswith("timeout"):

@@ -296,6 +296,18 @@ class _IndexCollector(Collector):
             c = sub.applier.counts
             unknown.add_metric([sub.replica], c.unknown_parent + c.unscoped)
         yield unknown
+        tiers = CounterMetricFamily(  # docs/tiers.md
+            "gateway_kv_events_tier_blocks",
+            "Lower-tier blocks in KV events: stored, removed, placeholder (no token ids, "
+            "ignored), unknown_medium (ignored, never counted as GPU).",
+            labels=["replica", "kind"],
+        )
+        for sub in subs:
+            c = sub.applier.counts
+            for kind, n in (("stored", c.tier_stored), ("removed", c.tier_removed),
+                            ("placeholder", c.placeholder), ("unknown_medium", c.unknown_medium)):
+                tiers.add_metric([sub.replica, kind], n)
+        yield tiers
 
 
 class _AdmissionCollector(Collector):

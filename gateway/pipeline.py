@@ -19,6 +19,7 @@ from .kinds import EndpointKind
 from .lora import unserved
 from .lora_placement import LoraPlacement
 from .openai import ParsedRequest
+from .pd import PD_KINDS, PdFlow
 from .pools import Pool
 from .proxy import with_stream_usage
 from .ratelimit import Rule, costs_for, rate_limited
@@ -43,6 +44,7 @@ class Pipeline:
         self.recorder = Recorder(gateway)
         self.homes = ResponseHomes()  # /v1/responses: which replica made each response
         self.lora = LoraPlacement()  # managed LoRA placement (pools.<p>.lora.manage)
+        self.pd = PdFlow(gateway, self.failover, self.recorder)  # disaggregated pools
 
     async def handle(
         self, snap: Snapshot, kind: EndpointKind, raw: bytes, headers: RawHeaders, tenant: Tenant,
@@ -59,6 +61,14 @@ class Pipeline:
         extra: Headers = [(b"x-request-id", rec.request_id.encode("latin-1"))]
         rec.charged, limit_headers = await self.limit(snap, tenant, req, prompt.tokens)
         extra += limit_headers
+        if pool.pd is not None:  # a disaggregated pool (gateway/pd.py)
+            if kind.name in PD_KINDS:
+                inp = route_input(rec, headers, tenant)
+                return await self.pd.handle(
+                    self, snap, pool, kind, req, prompt, inp, tenant, send, rec, extra,
+                    explained(snap, headers),
+                )  # fmt: skip
+            pool = pool.pd.decode  # nothing to disaggregate (embeddings, tokenize): the decode set
         routing = await self.route(snap, pool, req, prompt, route_input(rec, headers, tenant), rec)
         home = self.homes.home(req.body.get("previous_response_id"), pool.name) if kind.sticky else None
         first = await self.admit(snap, pool, tenant, routing, rec, home)

@@ -29,15 +29,24 @@ class Pool:
     policy: Policy
     by_name: Mapping[str, ReplicaState]
     dispatches: int = 0  # dispatches counted so far (a match older than the last is re-checked)
+    pd: PdSets | None = None  # a disaggregated pool's two sets (its `replicas`: both, together)
 
     def has_capacity(self) -> bool:
         """Some replica can take a request now (admission's gate; synchronous, cheap)."""
+        if self.pd is not None:
+            return self.pd.prefill.has_capacity() and self.pd.decode.has_capacity()
         now = time.monotonic()
         return any(r.has_slot() and r.available(now) for r in self.replicas)
 
     def any_available(self) -> bool:
+        if self.pd is not None:
+            return self.pd.prefill.any_available() and self.pd.decode.any_available()
         now = time.monotonic()
         return any(r.available(now) for r in self.replicas)
+
+    def parts(self) -> tuple[Pool, ...]:
+        """The pools whose settings its replicas run under: itself, or a P/D pool's two sets."""
+        return (self,) if self.pd is None else (self.pd.prefill, self.pd.decode)
 
     def with_replicas(self, replicas: Iterable[ReplicaState]) -> Pool:
         """The same pool (config, policy and its learned state) over another replica set."""
@@ -45,6 +54,15 @@ class Pool:
         return Pool(
             self.name, self.config, kept, self.policy, {r.name: r for r in kept}, self.dispatches
         )
+
+
+@dataclass(slots=True)
+class PdSets:
+    """A disaggregated pool's sets, each a pool of the same name over its role's replicas."""
+
+    protocol: str  # vllm-nixl | sglang
+    prefill: Pool
+    decode: Pool
 
 
 def build_pools(
@@ -58,6 +76,9 @@ def build_pools(
     pools: dict[str, Pool] = {}
     for i, (name, pc) in enumerate(config.pools.items()):
         prev = old.get(name)
+        if pc.prefill is not None:
+            pools[name] = pd_pool(name, pc, prev, on_change, updates, i)
+            continue
         if pc.discovery is not None:
             same = prev is not None and prev.config.discovery == pc.discovery
             configs = replica_configs(prev) if same and prev is not None else []
@@ -71,6 +92,26 @@ def build_pools(
         )
         pools[name] = Pool(name, pc, replicas, policy, {r.name: r for r in replicas})
     return pools
+
+
+def pd_pool(
+    name: str, pc: PoolConfig, prev: Pool | None, on_change: OnChange, updates: list[Update], seed: int
+) -> Pool:
+    """A disaggregated pool: a prefill and a decode pool (each with its set's settings), and the
+    pool that holds both (what health, metrics and status iterate)."""
+    from .config_pd import role_config
+
+    parts = []
+    for role in ("prefill", "decode"):
+        rpc = role_config(pc, role)
+        old = getattr(prev.pd, role) if prev is not None and prev.pd is not None else None
+        replicas = replica_states(name, rpc, rpc.replicas, old, on_change, updates)
+        same = old is not None and old.config.policy == pc.policy
+        policy = old.policy if same and old is not None else build_policy(pc.policy, seed=seed)
+        parts.append(Pool(name, rpc, replicas, policy, {r.name: r for r in replicas}))
+    sets = PdSets(pc.protocol or "vllm-nixl", parts[0], parts[1])
+    both = parts[0].replicas + parts[1].replicas
+    return Pool(name, pc, both, parts[0].policy, {r.name: r for r in both}, pd=sets)
 
 
 def replica_states(

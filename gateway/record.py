@@ -220,8 +220,15 @@ def _finish_trace(rec: Record, tr: RequestTrace, status: int, now: int) -> None:
     # hash + match run before the admission queue, choose after it (in stage attributes)
     route = (rec.t_route + o, rec.t_queue + o) if rec.t_queue else None
     queue = (rec.t_queue + o, rec.t_admitted + o) if rec.t_admitted else None
-    prefill = decode = generate = None
-    if sent.t_first:  # a replica answered: its segments start when that attempt was sent
+    prefill = decode = generate = transfer = None
+    if sent.t_first and sent.pd_prefill[1]:  # P/D: the prefill leg, then the decode's answer
+        prefill = (sent.pd_prefill[0] + o, sent.pd_prefill[1] + o)
+        if rec.stream:
+            transfer = (prefill[1], sent.t_first + o)
+            decode = (sent.t_first + o, sent.t_last + o) if sent.t_last else None
+        else:
+            generate = (prefill[1], (sent.t_last or now) + o)
+    elif sent.t_first:  # a replica answered: its segments start when that attempt was sent
         begin = (sent.attempts[-1][2] if sent.attempts else sent.t_sent) + o
         if rec.stream:
             prefill = (begin, sent.t_first + o)
@@ -290,6 +297,7 @@ def _finish_trace(rec: Record, tr: RequestTrace, status: int, now: int) -> None:
         prefill=prefill,
         decode=decode,
         generate=generate,
+        transfer=transfer,
         attempts=sent.attempts,
         end_ns=now + o,
         named=named,

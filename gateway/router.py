@@ -31,12 +31,14 @@ class Routing:
 
     __slots__ = (
         "routed", "prompt", "hits", "epoch", "decision", "views", "hash_ns", "match_ns", "choose_ns",
+        "tiers",
     )  # fmt: skip
 
     def __init__(self, routed: RoutedRequest, prompt: str | Sequence[int], hash_ns: int) -> None:
         self.routed = routed
         self.prompt = prompt
         self.hits: dict[str, int] = {}
+        self.tiers: dict[str, dict[str, int]] = {}  # lower-tier blocks after the GPU hits
         self.epoch = -1  # the pool's dispatch count when the index answered
         self.decision: Decision | None = None
         self.views: list[ReplicaView] = []
@@ -152,6 +154,11 @@ class Router:
             hits = routing.hits = self._recheck(pool, routing)
         get = hits.get
         routing.views = [r.view(get(r.name, 0), now) for r in pool.replicas]
+        tiers = getattr(self.index, "match_tiers", None)  # memory backend: docs/tiers.md
+        if tiers is not None and routing.routed.block_hashes:
+            routing.tiers = tiers(routing.routed.scope, routing.routed.block_hashes, hits)
+            for v in routing.views:
+                v.tier_hits = routing.tiers.get(v.name)
         decision = routing.decision = pool.policy.choose(routing.routed, routing.views)
         routing.choose_ns = time.perf_counter_ns() - t0
         return decision
@@ -275,8 +282,21 @@ class Dispatch:
                 ok=ok,
                 session_key=self.routed.session_key,
                 adapter_load=self.adapter_load,
+                tier_tokens=self.tier_tokens(),
             )
         )
+
+    def tier_tokens(self) -> dict[str, int] | None:
+        """Tokens this dispatch expects to load per lower tier (the view's `tier_hits`)."""
+        tiers = self.view.tier_hits
+        if not tiers:
+            return None
+        tpb, left = self.routed.tokens_per_block, self.uncached
+        out: dict[str, int] = {}
+        for tier, blocks in tiers.items():
+            out[tier] = min(left, int(blocks * tpb))
+            left -= out[tier]
+        return out
 
     def done(self) -> None:
         """Release the in-flight count (always, exactly once)."""

@@ -62,9 +62,12 @@ SEGMENTS = (
     "upstream.decode",
     "upstream.generate",
 )
+# a disaggregated pool's request (gateway/pd.py) also has kv.transfer: its prefill leg answered
+# (upstream.prefill) → the decode replica's first byte; the order segments are built in
+_ORDER = (*SEGMENTS[:3], "kv.transfer", *SEGMENTS[3:])
 SPAN_KINDS: dict[str, str] = {
     ROOT_SPAN: "SERVER",
-    **dict.fromkeys(SEGMENTS, "INTERNAL"),
+    **dict.fromkeys(_ORDER, "INTERNAL"),
     ATTEMPT_SPAN: "CLIENT",  # one per attempt on the wire, overlapping the upstream segments
 }
 
@@ -247,6 +250,7 @@ class RequestTrace:
         generate: Segment | None = None,
         attempts: Sequence[Attempt] = (),
         end_ns: int,
+        transfer: Segment | None = None,
         attrs: Mapping[str, Any] | None = None,
         named: Named | Callable[[], Named] | None = None,
         error_type: str | None = None,
@@ -271,9 +275,9 @@ class RequestTrace:
             return
         if attrs:
             self.attributes.update(_names(attrs))
-        segments = (route, queue, prefill, decode, generate)
+        segments = (route, queue, prefill, transfer, decode, generate)
         self._given = (segments, attempts, end_ns, named, error_type)
-        self.spans = 1 + len(attempts) + 5 - segments.count(None)
+        self.spans = 1 + len(attempts) + 6 - segments.count(None)
         self._sink.end(self)
 
     def build(self) -> None:
@@ -295,12 +299,12 @@ class RequestTrace:
             values.update(measured)
         children = self.segments
         start = prev = self.start_ns
-        for name, seg in zip(SEGMENTS, segs):  # noqa: B905 - both have five
+        for name, seg in zip(_ORDER, segs):  # noqa: B905 - both have six
             if seg is not None:
                 s = seg[0] if seg[0] > prev else prev
                 prev = seg[1] if seg[1] > s else s
                 children.append((name, _getrandbits(64) or 1, s, prev, _EMPTY, None))
-        prefill, decode = segs[2], segs[3]
+        prefill, decode = segs[3] or segs[2], segs[4]  # P/D: the first token ends kv.transfer
         if prefill is not None and _TTFT not in values:
             values[_TTFT] = (max(prefill[1], start) - start) / 1e9
         if decode is not None and _TPOT not in values:

@@ -89,6 +89,9 @@ class ReplicaView:
     ttft_ewma_s: float | None = None  # recent observed TTFT
     placed_blocks: int = 0  # blocks new to this replica the gateway has routed to it, ever
     lora: LoraView | None = None  # None: the replica reports no LoRA adapters
+    # blocks after `hit_blocks` its lower KV tiers hold, by tier ("cpu", "disk", "shared"):
+    # loadable instead of recomputed (docs/tiers.md); None: no tier knowledge
+    tier_hits: Mapping[str, int] | None = None
 
     @property
     def load(self) -> int:
@@ -111,6 +114,7 @@ class Outcome:
     ok: bool = True
     session_key: str | None = None  # the request's session_key, so affinity follows failover
     adapter_load: bool | None = None  # a LoRA adapter had to be loaded for it (None: no adapter)
+    tier_tokens: Mapping[str, int] | None = None  # predicted tokens to load per lower tier
 
 
 @dataclass(slots=True)

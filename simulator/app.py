@@ -51,6 +51,7 @@ class AppParts:
     kv_publisher: Callable[[], KvEventPublisher | None]  # /sim/kv_events, /kv_event_sources
     reset_prefix_cache: Callable[[], object]  # /reset_prefix_cache
     lora: LoraState | None = None  # /v1/models' adapter cards, /v1/load_lora_adapter, ...
+    server_info: Callable[[], dict[str, Any]] | None = None  # /server_info, /get_server_info
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -202,6 +203,11 @@ def create_app(parts: AppParts) -> Starlette:
         parts.reset_prefix_cache()
         return Response(b"", status_code=200)
 
+    async def server_info(request: Request) -> Response:
+        if parts.server_info is None:
+            raise ApiError(404, "Not Found")
+        return json_response(parts.server_info())
+
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         return json_response(exc.body(), exc.status)
@@ -229,6 +235,8 @@ def create_app(parts: AppParts) -> Starlette:
         Route("/sim/kv_events", sim_kv_events, methods=["GET", "POST"]),
         Route("/kv_event_sources", kv_event_sources, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
         *lora_routes(parts.lora),
     ]
     return Starlette(routes=routes,

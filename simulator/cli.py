@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from simulator.config import KV_EVENTS_ENCODINGS, OutputLengths
 from simulator.fleet import Fleet
 from simulator.lora import LoraConfig
+from simulator.pd import PROTOCOLS, ROLES, PdOptions
 from simulator.profiles import load_gpus, load_models
 from simulator.tokenizer import TokenizerJson
 
@@ -67,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
                         "BASE+2i+1 (needs pyzmq and msgspec)")
     p.add_argument("--kv-events-encoding", choices=KV_EVENTS_ENCODINGS, default="map",
                    help="map: vLLM >= 0.24 events (default); legacy: positional arrays")
+    p.add_argument("--cpu-kv-gb", type=float, default=0.0,
+                   help="a host-memory KV tier per replica: GPU evictions spill there, prefixes "
+                        "found there load at --cpu-kv-gbps (docs/tiers.md; default: none)")
+    p.add_argument("--cpu-kv-gbps", type=float, default=50.0)
     p.add_argument("--lora-modules", nargs="*", default=None, metavar="NAME",
                    help="serve these LoRA adapters (enables LoRA; /v1/models lists them)")
     p.add_argument("--max-loras", type=int, default=1, help="GPU adapter slots (vLLM's default 1)")
@@ -78,7 +83,31 @@ def parser() -> argparse.ArgumentParser:
                    in ("1", "true"),
                    help="the /v1/load_lora_adapter and /v1/unload_lora_adapter routes "
                    "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
+    g = p.add_argument_group("prefill/decode disaggregation (docs/pd.md)")
+    g.add_argument("--role", choices=ROLES, default="both",
+                   help="prefill, decode, or both (default: an aggregated replica)")
+    g.add_argument("--pd-protocol", choices=PROTOCOLS, default="vllm-nixl")
+    g.add_argument("--kv-link-gbps", type=float, default=400.0,
+                   help="P->D link bandwidth in Gb/s (default 400)")
+    g.add_argument("--pd-side-channel-port", type=int, default=0, metavar="BASE",
+                   help="prefill replica i's NIXL side channel / SGLang bootstrap port BASE+i "
+                        "(default 0: ephemeral)")
+    g.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="seconds a prefill replica keeps unread KV (vLLM kv_lease_duration)")
+    g.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="fail")
+    g.add_argument("--pd-bootstrap-timeout-s", type=float, default=300.0)
+    g.add_argument("--pd-waiting-timeout-s", type=float, default=300.0)
     return p
+
+
+def pd_from_args(args: argparse.Namespace) -> PdOptions | None:
+    if args.role == "both" and args.pd_protocol == "vllm-nixl":
+        return None
+    return PdOptions(args.role, args.pd_protocol, kv_link_gbps=args.kv_link_gbps,
+                     side_channel_port=args.pd_side_channel_port, lease_s=args.kv_lease_s,
+                     load_failure_policy=args.kv_load_failure_policy,
+                     bootstrap_timeout_s=args.pd_bootstrap_timeout_s,
+                     waiting_timeout_s=args.pd_waiting_timeout_s)
 
 
 def lora_from_args(args: argparse.Namespace) -> LoraConfig | None:
@@ -109,7 +138,8 @@ def fleet_from_args(args: argparse.Namespace) -> Fleet:
                    if args.tokenizer else None),
         kv_events_port=args.kv_events_port,
         kv_events_encoding=args.kv_events_encoding,
-        lora=lora_from_args(args),
+        cpu_kv_gb=args.cpu_kv_gb or None, cpu_kv_gbps=args.cpu_kv_gbps,
+        lora=lora_from_args(args), pd=pd_from_args(args),
     )
 
 
@@ -124,6 +154,9 @@ async def serve(fleet: Fleet) -> None:
             print(f"replica {i} {r.url} model={r.model_name} gpu={cfg.gpu.key} "
                   f"tp={cfg.tensor_parallel_size} kv_blocks={cfg.num_blocks} "
                   f"block_size={cfg.block_size} speedup={fleet.speedup:g}", flush=True)
+            if r.pd is not None and r.pd.opts.role != "decode":
+                print(f"replica {i} role={r.pd.opts.role} protocol={r.pd.opts.protocol} "
+                      f"side_channel={r.host}:{r.pd.port}", flush=True)
             if r.kv_events is not None:
                 print(f"replica {i} kv_events={r.kv_events.endpoint} "
                       f"replay={r.kv_events.replay_endpoint} "

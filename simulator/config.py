@@ -40,6 +40,7 @@ class KvEventsOptions:
     encoding: KvEventsEncoding = "map"
     topic: str = ""
     buffer_steps: int = DEFAULT_KV_EVENTS_BUFFER
+    tier_placeholders: bool = False  # CPU-tier events as vLLM's legacy placeholders (no tokens)
 
     def __post_init__(self) -> None:
         if self.encoding not in KV_EVENTS_ENCODINGS:
@@ -120,6 +121,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's 16 bits) or fp8
     jitter_cv: float | None = None  # None: the engine profile's
     lora: LoraConfig | None = None  # multi-LoRA (simulator/lora.py); None: off
+    cpu_kv_gb: float = 0.0  # host-memory KV tier per replica (simulator/tiers.py); 0: none
+    cpu_kv_gbps: float = 50.0  # its load bandwidth (PCIe Gen5 DMA, one direction)
 
     @property
     def perf(self) -> PerfModel:

@@ -18,6 +18,7 @@ from simulator.perf_model import jitter_factor
 from simulator.scheduler import Scheduler
 from simulator.sequence import Sequence, Status
 from simulator.stats import EngineCounters
+from simulator.tiers import Tiers
 
 DEFAULT_FILLER = tuple(range(1000, 1064))
 
@@ -60,6 +61,11 @@ class Engine:
         self.perf = config.perf
         self.cache = PrefixCache(config.num_blocks, config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
+        if config.cpu_kv_gb > 0:  # a host-memory KV tier (simulator/tiers.py)
+            bpt = config.perf.kv_bytes_per_token
+            self.cache.tiers = Tiers(int(config.cpu_kv_gb * 1e9 / (bpt * config.block_size)),
+                                     block_size=config.block_size, bytes_per_token=bpt,
+                                     host_gbps=config.cpu_kv_gbps)
         self.scheduler = Scheduler(config, self.cache)
         self.lora = self.scheduler.lora = LoraState(config.lora) if config.lora else None
         self.counters = EngineCounters()
@@ -72,6 +78,10 @@ class Engine:
         self.now_s = 0.0
         self.sync_at: float | None = None  # discrete-event time; readers catch a run up to it
         self._order = 0
+        # P/D (simulator/pd.py): requests whose blocks a prefill replica keeps when they
+        # finish, and the blocks so kept (request id -> blocks) until the decode side reads them
+        self.hold_ids: set[str] = set()
+        self.held: dict[str, list[int]] = {}
 
     # -- state ----------------------------------------------------------------------------
     @property
@@ -137,6 +147,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (client went away); its blocks are freed at once."""
+        self.hold_ids.discard(request_id)
         seq = self.requests.pop(request_id, None)
         if seq is None or seq.finished:
             return False
@@ -146,6 +157,14 @@ class Engine:
             self.lora.release(request_id)
             self.lora.touch_metric(self.requests, self.now_s)
         self.counters.requests_aborted += 1
+        return True
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished P/D prefill kept for its decode replica."""
+        blocks = self.held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.cache.release(blocks)
         return True
 
     # -- steps ----------------------------------------------------------------------------
@@ -193,6 +212,8 @@ class Engine:
         duration = perf.step_time(prefill_tokens, n_decode, kv_tokens, attention_s)
         if perf.jitter:
             duration *= jitter_factor(self.seed, self.step_no, perf.jitter)
+        if self.cache.tiers is not None:  # prefixes loaded from a lower tier stall the step
+            duration += self.cache.tiers.take_load_s()
         if self.lora is not None and batch.admitted:  # adapter loads stall the step
             duration += self._lora_loads(batch.admitted, batch.items)
         step = Step(self.now_s, duration, batch.items, batch.preempted, batch.admitted,
@@ -312,6 +333,9 @@ class Engine:
         return result
 
     def _finish(self, seq: Sequence, t: float) -> None:
+        if seq.id in self.hold_ids:  # P/D prefill: the blocks stay pinned for the decode side
+            self.hold_ids.discard(seq.id)
+            self.held[seq.id], seq.blocks = seq.blocks, []
         self.scheduler.drop(seq)
         seq.status = Status.FINISHED
         seq.finish_s = t

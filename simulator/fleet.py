@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -17,6 +18,7 @@ from simulator.config import (
     KvEventsOptions,
     build_config,
 )
+from simulator.pd import PdOptions
 from simulator.profiles import GpuProfile, ModelProfile
 from simulator.replica import Replica
 from simulator.tokenizer import Tokenizer, TokenizerJson
@@ -40,7 +42,7 @@ class Fleet:
                  kv_events_port: int | None = None,
                  kv_events_encoding: KvEventsEncoding = "map",
                  kv_events_buffer_steps: int = DEFAULT_KV_EVENTS_BUFFER,
-                 **engine_overrides: Any) -> None:
+                 pd: PdOptions | None = None, **engine_overrides: Any) -> None:
         if n < 1:
             raise ValueError("a fleet needs at least one replica")
         self.n = n
@@ -63,6 +65,7 @@ class Fleet:
         self.host = host
         self.served_model_name = served_model_name
         self.replicas: list[Replica] = []
+        self.pd = pd  # P/D role; replica i's side channel on pd.side_channel_port + i (0: any)
 
     @property
     def urls(self) -> list[str]:
@@ -78,7 +81,14 @@ class Fleet:
         return Replica(self.config, seed=self.seed + i, speedup=self.speedup,
                        served_model_name=self.served_model_name, host=self.host, port=port,
                        tokenizer=self.tokenizer,
-                       kv_events=self.kv_events[i] if self.kv_events else None)
+                       kv_events=self.kv_events[i] if self.kv_events else None,
+                       pd=self._pd(i))
+
+    def _pd(self, i: int) -> PdOptions | None:
+        pd = self.pd
+        if pd is None or not pd.side_channel_port:
+            return pd
+        return replace(pd, side_channel_port=pd.side_channel_port + i)
 
     async def __aenter__(self) -> Fleet:
         try:

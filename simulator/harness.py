@@ -133,6 +133,25 @@ async def simulated_fleet(n: int, *sim_args: str, port: int = 0) -> AsyncIterato
         await proc.wait()
 
 
+@contextlib.asynccontextmanager
+async def pd_fleets(n_prefill: int = 1, n_decode: int = 1, protocol: str = "vllm-nixl", *,
+                    speedup: float = 200.0, **kw: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """In-process P/D replicas (simulator/pd.py): (prefill Fleet, decode Fleet). `kw`: Fleet
+    options, plus PdOptions fields (kv_link_gbps, lease_s, load_failure_policy, ...)."""
+    from dataclasses import fields
+
+    from simulator.fleet import Fleet
+    from simulator.pd import PdOptions
+
+    names = {f.name for f in fields(PdOptions)}
+    pd_kw = {k: kw.pop(k) for k in list(kw) if k in names}
+    async with Fleet(n_prefill, speedup=speedup, pd=PdOptions("prefill", protocol, **pd_kw),
+                     **kw) as p, \
+            Fleet(n_decode, speedup=speedup, pd=PdOptions("decode", protocol, **pd_kw),
+                  **kw) as d:
+        yield p, d
+
+
 def stop_processes(procs: Iterable[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
     """SIGTERM them all, then wait for each; one still running after `timeout_s` is killed."""
     procs = list(procs)

@@ -73,6 +73,23 @@ class _EngineCollector(Collector):
         info.add_metric([str(cfg.block_size), str(cfg.enable_prefix_caching),
                          str(cfg.gpu_memory_utilization), str(cfg.num_blocks)], 1.0)
         yield info
+        tiers = e.cache.tiers
+        if tiers is not None:  # a lower KV tier (simulator/tiers.py): hits by tier, as LMCache's
+            hits = CounterMetricFamily("vllm:prefix_cache_tier_hits", "Prompt tokens loaded "
+                                       "from a lower KV tier instead of recomputed.",
+                                       labels=(*LABELS, "tier"))
+            for tier in ("cpu", "shared"):
+                hits.add_metric([*lv, tier], tiers.counters.hit_tokens[tier])
+            yield hits
+            for name, doc, value in (
+                ("vllm:kv_offload_total_bytes", "Bytes offloaded from GPU to the CPU tier.",
+                 tiers.counters.offload_bytes),
+                ("vllm:kv_offload_total_time", "Seconds spent loading KV from lower tiers.",
+                 tiers.counters.load_s),
+            ):
+                m = CounterMetricFamily(name, doc, labels=LABELS)
+                m.add_metric(lv, value)
+                yield m
         if e.lora is not None and e.lora.series:  # absent until an adapter is used, as in vLLM
             lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                      labels=("max_lora", "running_lora_adapters",

@@ -333,11 +333,30 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--overhead-gb", type=float, help="flat per-GPU overhead in GB (the seeds' "
                    "rule: memory x utilisation - weights - overhead); default: the engine's rule")  # fmt: skip
+    g = p.add_argument_group("aggregated vs prefill/decode splits (simulator/plan_pd.py, docs/pd.md)")
+    g.add_argument("--pd", action="store_true", help="replay the workload in the DES on --gpus "
+                   "GPUs, aggregated and as every xPyD split; print the best of each")
+    g.add_argument("--gpus", type=int, default=8, help="GPU budget for --pd (default 8)")
+    g.add_argument("--prompt-range", metavar="LO:HI", help="--pd: uniform prompt lengths "
+                   "(default: --prompt-tokens)")
+    g.add_argument("--output-range", metavar="LO:HI", help="--pd: uniform output lengths")
+    g.add_argument("--long-share", type=float, default=0.0,
+                   help="--pd: share of requests with --long-prompt-range prompts")
+    g.add_argument("--long-prompt-range", metavar="LO:HI", default="65536:98304")
+    g.add_argument("--requests", type=int, default=400, help="--pd: trace length")
+    g.add_argument("--kv-link-gbps", type=float, default=400.0)
+    g.add_argument("--weight-dtype", default="", help="--pd: fp8 / int4 / mxfp4 weights")
+    g.add_argument("--kv-cache-dtype", default="auto", help="--pd: auto or fp8")
+    g.add_argument("--seed", type=int, default=0)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.pd:
+        from simulator.plan_pd import cli_main
+
+        return cli_main(args)
     try:
         req = PlanRequest(
             args.model, args.gpu, args.tp, args.prompt_tokens, args.output_tokens, args.rate,

@@ -19,6 +19,7 @@ from simulator.config import EngineConfig, KvEventsOptions
 from simulator.engine import Engine, StepResult
 from simulator.faults import FaultSwitch
 from simulator.metrics import ReplicaMetrics
+from simulator.pd import PdOptions, PdService
 from simulator.runner import EngineRunner
 from simulator.serving import CompletionService
 from simulator.stats import EngineCounters
@@ -54,7 +55,8 @@ class Replica:
     def __init__(self, config: EngineConfig, *, seed: int = 0, speedup: float = 1.0,
                  served_model_name: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, tokenizer: Tokenizer | None = None,
-                 kv_events: KvEventsOptions | None = None) -> None:
+                 kv_events: KvEventsOptions | None = None, pd: PdOptions | None = None,
+                 ) -> None:
         self.config = config
         self.host, self.port = host, port
         self.speedup = speedup
@@ -66,9 +68,12 @@ class Replica:
         self.kv_events_options = kv_events
         self.kv_events: KvEventPublisher | None = None
         self.faults = FaultSwitch()
+        self.pd = None if pd is None else PdService(
+            pd, self.engine, self.runner, host=host, model_name=self.model_name,
+            registry=self.metrics.registry)
         self.service = CompletionService(runner=self.runner, tokenizer=self.tokenizer,
                                          model_name=self.model_name, faults=self.faults,
-                                         kill_connection=self.kill_connection)
+                                         kill_connection=self.kill_connection, pd=self.pd)
         self.app = create_app(self._app_parts())
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -93,7 +98,17 @@ class Replica:
             tokenizer=self.tokenizer, load=lambda: engine.num_running + engine.num_waiting,
             render_metrics=self.metrics.render, stats=self.stats, reset_stats=self.reset_stats,
             faults=self.faults, cache=engine.cache, kv_publisher=lambda: self.kv_events,
-            reset_prefix_cache=self.reset_prefix_cache, lora=engine.lora)
+            reset_prefix_cache=self.reset_prefix_cache, lora=engine.lora,
+            server_info=self.server_info)
+
+    def server_info(self) -> dict[str, Any]:
+        """SGLang's /server_info subset a router reads (disaggregation_mode)."""
+        if self.pd is not None:
+            return {"model_path": self.model_name, **self.pd.server_info()}
+        cfg = self.config
+        return {"model_path": self.model_name, "disaggregation_mode": "null",
+                "tp_size": cfg.tensor_parallel_size, "dp_size": 1,
+                "max_running_requests": cfg.max_num_seqs}
 
     def _on_step(self, result: StepResult) -> None:
         self.metrics.on_step(result)
@@ -125,6 +140,8 @@ class Replica:
                 await self.kv_events.stop()
             raise
         self.port = sock.getsockname()[1]
+        if self.pd is not None:
+            await self.pd.start()
         config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
                                 ws="none")
         self._server = server = _Server(config)
@@ -161,6 +178,8 @@ class Replica:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
         await self.runner.stop()
+        if self.pd is not None:
+            await self.pd.stop()
         self._task = None
         if self.kv_events is not None:
             await self.kv_events.stop()
@@ -190,4 +209,5 @@ class Replica:
             "block_size": e.config.block_size, "model": self.model_name,
             "gpu": e.config.gpu.key, "tensor_parallel_size": e.config.tensor_parallel_size,
             "speedup": self.speedup, "fault": self.faults.state(),
+            **({"pd": self.pd.stats()} if self.pd is not None else {}),
         }

@@ -88,6 +88,16 @@ class Scheduler:
             if lora is not None and not lora.admissible(seq.id, active):
                 skipped.append(waiting.pop())  # one adapter too many: the next may fit
                 continue
+            if seq.blocks:  # P/D decode: the blocks and the KV came from a prefill replica
+                waiting.pop()
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                self._register(seq, seq.num_computed + n)
+                seq.status = Status.RUNNING
+                running.append(seq)
+                batch.items[seq] = n
+                batch.admitted.append(seq)
+                budget -= n
+                continue
             hit: list[int] = []
             if self.caching:
                 limit = (seq.num_tokens - 1) // bs
@@ -190,3 +200,6 @@ class Scheduler:
             seq.blocks = []
         elif seq.status is Status.WAITING:
             self.waiting.discard(seq)
+            if seq.blocks:  # a P/D decode request's pulled KV, not yet scheduled
+                self.cache.release(seq.blocks)
+                seq.blocks = []

@@ -28,6 +28,7 @@ from simulator.openai_api import (
     usage,
     usage_chunk,
 )
+from simulator.pd import Leg, PdService
 from simulator.runner import EngineRunner
 from simulator.sequence import Sequence
 from simulator.tokenizer import Tokenizer
@@ -53,12 +54,14 @@ class CompletionService:
     """Everything `/v1/chat/completions` and `/v1/completions` do."""
 
     def __init__(self, *, runner: EngineRunner, tokenizer: Tokenizer, model_name: str,
-                 faults: FaultSwitch, kill_connection: Callable[[Any], None]) -> None:
+                 faults: FaultSwitch, kill_connection: Callable[[Any], None],
+                 pd: PdService | None = None) -> None:
         self.runner = runner
         self.tok = tokenizer
         self.model_name = model_name
         self.faults = faults
         self.kill_connection = kill_connection
+        self.pd = pd  # prefill/decode disaggregation (simulator/pd.py); None: aggregated
         cfg = runner.engine.config
         self.max_model_len = cfg.max_model_len
         self.priority_ok = cfg.scheduling_policy == "priority"
@@ -70,6 +73,9 @@ class CompletionService:
         except orjson.JSONDecodeError:
             raise bad("the request body is not valid JSON") from None
         req = parse_request(body, self.tok, chat=chat)
+        leg = self.pd.leg(body, len(req.prompts)) if self.pd is not None else None
+        if leg is not None and leg.kind.endswith("prefill"):
+            req.max_tokens = 1  # a P leg runs the prefill and one token
         lora = self.runner.engine.lora
         adapter = req.model if lora is not None and req.model in lora.registered else None
         if req.model is not None and req.model != self.model_name and adapter is None:
@@ -90,17 +96,59 @@ class CompletionService:
             events.put_nowait((seq.tag, seq.output[-1], seq.finish_reason))
 
         ids = [f"{req.request_id}-{i}-{next(self._ids)}" for i in range(len(req.prompts))]
+        if leg is not None and leg.kind.endswith("decode"):
+            pulled = await self._pull(leg, req.prompts[0], lora_salt(adapter, req.cache_salt),
+                                      request)
+            if isinstance(pulled, Response):
+                return pulled
+            leg = pulled
         if adapter is not None and lora is not None:  # the engine serves it with that adapter
             for rid in ids:
                 lora.assign(rid, adapter)
         seqs = [self.runner.submit(rid, prompt, max_tokens=req.max_tokens, priority=req.priority,
                                    cache_salt=lora_salt(adapter, req.cache_salt), sink=sink, tag=i)
                 for i, (rid, prompt) in enumerate(zip(ids, req.prompts, strict=True))]
+        if leg is not None and self.pd is not None:
+            self.pd.submitted(leg, seqs[0])
         if req.stream:
-            frames = self._frames(req, seqs, events)
+            frames = self._frames(req, seqs, events, leg)
             return StreamingResponse(self._faulty(frames, fault, request), status_code=200,
                                      media_type="text/event-stream")
-        return await self._whole(req, seqs, events, fault, request)
+        return await self._whole(req, seqs, events, fault, request, leg)
+
+    async def _pull(self, leg: Leg, prompt: list[int], salt: str | None,
+                    request: Request) -> Leg | Response | None:
+        """A P/D decode leg: reserve the blocks, read the KV from P (None: recompute locally;
+        a Response: the client went away meanwhile and the blocks are freed)."""
+        pd = self.pd
+        assert pd is not None
+        pd.reserve(leg, prompt, self.runner.engine.prompt_hashes(prompt, salt))
+        work = asyncio.ensure_future(pd.pull(leg, len(prompt)))
+        gone = asyncio.ensure_future(until_disconnect(request.receive))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (work, gone):
+                if not t.done():
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
+            if not work.done() or work.cancelled() or work.exception() is not None \
+                    or not work.result():
+                pd.unreserve(leg)
+        if not work.done() or work.cancelled():
+            return Response(b"", status_code=499)
+        return leg if work.result() else None
+
+    async def _leg_done(self, leg: Leg | None) -> dict[str, Any] | None:
+        """A P leg's generation ended: its kv_transfer_params (NIXL), or SGLang's wait for D."""
+        if leg is None or self.pd is None or not leg.kind.endswith("prefill"):
+            return None
+        params = self.pd.finished(leg)
+        if leg.kind == "sglang_prefill" and leg.seq is not None and \
+                leg.seq.id in self.runner.engine.held:
+            await self.pd.sglang_prefill_done(leg)
+        return params
 
     def _check_length(self, prompt_len: int, max_tokens: int | None) -> None:
         total = prompt_len + (max_tokens or 1)
@@ -120,7 +168,8 @@ class CompletionService:
                 self.runner.abort(s)
 
     async def _frames(self, req: EngineRequest, seqs: list[Sequence],
-                      events: asyncio.Queue[Event]) -> AsyncIterator[bytes]:
+                      events: asyncio.Queue[Event], leg: Leg | None = None,
+                      ) -> AsyncIterator[bytes]:
         model, open_choices = req.model or self.model_name, len(seqs)  # an adapter's name echoed
         started: set[int] = set()
         try:
@@ -133,6 +182,7 @@ class CompletionService:
                 yield sse(stream_chunk(req, model, tag, text, reason))
                 if reason is not None:
                     open_choices -= 1
+            await self._leg_done(leg)  # streamed: no kv_transfer_params (as vLLM)
             if req.include_usage:
                 yield sse(usage_chunk(req, model, self._usage(seqs)))
             yield b"data: [DONE]\n\n"
@@ -161,7 +211,7 @@ class CompletionService:
 
     async def _whole(self, req: EngineRequest, seqs: list[Sequence],
                      events: asyncio.Queue[Event], fault: Fault | None,
-                     request: Request) -> Response:
+                     request: Request, leg: Leg | None = None) -> Response:
         async def collect() -> None:
             left = len(seqs)
             while left:
@@ -187,4 +237,7 @@ class CompletionService:
         texts = ["".join(self.tok.decode_filler(t) for t in s.output) for s in seqs]
         reasons = [s.finish_reason or "abort" for s in seqs]
         body = full_response(req, req.model or self.model_name, texts, reasons, self._usage(seqs))
+        params = await self._leg_done(leg)
+        if leg is not None and leg.kind == "nixl_prefill":
+            body["kv_transfer_params"] = params
         return Response(orjson.dumps(body), media_type="application/json")

@@ -170,8 +170,8 @@ def test_preset_with_overrides() -> None:
             "policy.scorers.kv_pressure: unknown_usage must be in [0, 1], got 3",
         ),
         (
-            {"scorers": {"prefix": {"weight": 1, "rng": 1}}},
-            "policy.scorers.prefix.rng: unknown option; scorer 'prefix' takes no options",
+            {"scorers": {"queue": {"weight": 1, "rng": 1}}},
+            "policy.scorers.queue.rng: unknown option; scorer 'queue' takes no options",
         ),
         (
             {"filters": ["healthy", "sick"]},
