@@ -26,7 +26,7 @@ from pydantic import SecretStr, ValidationError
 
 from gateway import create_app, parse_config
 from gateway.errors import ERROR_TYPES
-from gateway.failover import _attempt_outcome
+from gateway.failover import attempt_outcome
 from gateway.proxy import Retryable
 from gateway.trace_record import ROOT_SPAN, SPAN_KINDS, TYPES
 from gateway.tracing import (
@@ -677,7 +677,7 @@ def test_the_values_the_docs_name_exist() -> None:
     )
     attempt = doc_table("Attributes of each `upstream.attempt`")
     failover = {
-        _attempt_outcome(Retryable(r)) for r in ("timeout (idle_s)", "connection refused", "closed")
+        attempt_outcome(Retryable(r)) for r in ("timeout (idle_s)", "connection refused", "closed")
     }
     errors = ticked(attempt["error.type"][1])
     assert failover | {"broken_mid_stream", "client_disconnected"} <= errors
