@@ -20,7 +20,10 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from .control_client import ControlClient
 from .lora import post_adapter
@@ -41,6 +44,10 @@ class LoraPlacement:
         self._loading: dict[tuple[str, str], asyncio.Task[bool]] = {}
         self._swept = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def register(self, registry: CollectorRegistry) -> None:
+        """`gateway_lora_managed_loads_total` / `_unloads_total` on /metrics (docs/lora.md)."""
+        registry.register(_PlacementCollector(self))
 
     # --- decisions (synchronous) ----------------------------------------------------------
     def offer(self, pool: Pool, model: str) -> None:
@@ -156,3 +163,20 @@ class LoraPlacement:
             else:
                 log.warning("replica %s: unloading LoRA adapter %s failed (%s %s)", replica.name,
                             model, status or "no answer", text[:200])  # fmt: skip
+
+
+class _PlacementCollector(Collector):
+    def __init__(self, placement: LoraPlacement) -> None:
+        self._p = placement
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "gateway_lora_managed_loads",
+            "Adapters the gateway loaded on a replica before forwarding (lora.manage).",
+            value=self._p.loads,
+        )
+        yield CounterMetricFamily(
+            "gateway_lora_managed_unloads",
+            "Adapters the gateway unloaded after lora.idle_unload_s without a request.",
+            value=self._p.unloads,
+        )

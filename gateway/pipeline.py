@@ -44,6 +44,7 @@ class Pipeline:
         self.recorder = Recorder(gateway)
         self.homes = ResponseHomes()  # /v1/responses: which replica made each response
         self.lora = LoraPlacement()  # managed LoRA placement (pools.<p>.lora.manage)
+        self.lora.register(gateway.metrics.registry)
         self.pd = PdFlow(gateway, self.failover, self.recorder)  # disaggregated pools
 
     async def handle(

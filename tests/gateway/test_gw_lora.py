@@ -154,6 +154,10 @@ async def test_managed_placement_loads_before_forwarding_and_unloads_idle_ones()
             await poll_until(lambda: holders() == 0, timeout_s=5.0)
             assert placement.unloads == 1
             await poll_until(lambda: all("sql" not in r.lora.served for r in replicas))
+            async with aiohttp.ClientSession() as h, h.get(served.url + "/metrics") as res:
+                text = await res.text()
+            assert "gateway_lora_managed_loads_total 2.0" in text  # sql, then poet
+            assert "gateway_lora_managed_unloads_total 1.0" in text
 
 
 def test_managed_offers_more_replicas_as_demand_grows_up_to_the_bound() -> None:
