@@ -13,18 +13,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Iterable
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from typing import Any, Protocol
 
 from .control_client import ControlClient, get_json
 from .discovery import DiscoveryConfig, DiscoveryError
 from .kv_subscriber import KvEvents, check_parity
+from .pools import Pool
 from .replicas import ReplicaMonitor, ReplicaState
 from .snapshot import Snapshot
 
 log = logging.getLogger("gateway")
 
 Endpoints = list[tuple[str, str]]  # (name, url) of every ready replica of a pool
+Source = tuple[str, str | None]  # what a watcher discovers: (pool, None) or (pool, P/D role)
+
+
+class SetEndpoints(Protocol):
+    def __call__(self, pool: str, endpoints: Endpoints, role: str | None = None, /) -> None: ...
 
 
 class Background:
@@ -32,7 +38,7 @@ class Background:
         self,
         session: ControlClient,
         current: Callable[[], Snapshot],
-        set_endpoints: Callable[[str, Endpoints], None],
+        set_endpoints: SetEndpoints,
         fall_back_to_bytes: Callable[[], None],
     ) -> None:
         self.session = session
@@ -42,7 +48,7 @@ class Background:
         self.kv_events: KvEvents | None = None
         self.parity: dict[str, int] = {}  # replica -> 1 same token ids, 0 different, -1 unknown
         self._monitors: dict[int, ReplicaMonitor] = {}  # id(ReplicaState) -> its monitor
-        self._discovery: dict[str, tuple[DiscoveryConfig, asyncio.Task[None]]] = {}
+        self._discovery: dict[Source, tuple[DiscoveryConfig, asyncio.Task[None]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # subscriptions, drains, closes
         self._parity: asyncio.Task[None] | None = None
         self._index: object = None  # the index the replicas were last sized in
@@ -141,26 +147,32 @@ class Background:
             )
 
     def _sync_discovery(self, snap: Snapshot) -> None:
-        """One watcher per pool that uses discovery; restarted when its settings change."""
-        for name in list(self._discovery):
-            cfg, task = self._discovery[name]
-            pool = snap.pools.get(name)
-            if pool is None or pool.config.discovery != cfg:
+        """One watcher per pool, or P/D set, that uses discovery; restarted when its settings
+        change."""
+        wanted = dict(_discovered(snap))
+        for source in list(self._discovery):
+            cfg, task = self._discovery[source]
+            if wanted.get(source) != cfg:
                 task.cancel()
-                del self._discovery[name]
-        for name, pool in snap.pools.items():
-            dc = pool.config.discovery
-            if dc is not None and name not in self._discovery:
-                task = asyncio.create_task(self._watch(name, dc), name=f"discovery:{name}")
-                self._discovery[name] = (dc, task)
+                del self._discovery[source]
+        for source, dc in wanted.items():
+            if source not in self._discovery:
+                what = ".".join(filter(None, source))
+                task = asyncio.create_task(self._watch(source, dc), name=f"discovery:{what}")
+                self._discovery[source] = (dc, task)
 
-    async def _watch(self, pool: str, cfg: DiscoveryConfig) -> None:
+    async def _watch(self, source: Source, cfg: DiscoveryConfig) -> None:
+        pool, role = source
         try:
             async with contextlib.aclosing(cfg.build().watch()) as found:
                 async for endpoints in found:
-                    self._set_endpoints(pool, [(e.name, e.url) for e in endpoints])
+                    eps = [(e.name, e.url) for e in endpoints]
+                    if role is None:
+                        self._set_endpoints(pool, eps)
+                    else:
+                        self._set_endpoints(pool, eps, role)
         except DiscoveryError as exc:
-            log.error("pool %s: discovery cannot run: %s", pool, exc)
+            log.error("pool %s: discovery cannot run: %s", ".".join(filter(None, source)), exc)
 
     def is_new(self, r: ReplicaState) -> bool:
         return id(r) not in self._monitors
@@ -235,3 +247,14 @@ class Background:
         if cards and isinstance(cards[0], dict) and isinstance(cards[0].get("id"), str):
             return str(cards[0]["id"])
         return None
+
+
+def _discovered(snap: Snapshot) -> Iterator[tuple[Source, DiscoveryConfig]]:
+    """Every pool, and every P/D set, that uses discovery, with its settings."""
+    for name, pool in snap.pools.items():
+        sets: list[tuple[str | None, Pool]] = [(None, pool)]
+        if pool.pd is not None:
+            sets = [("prefill", pool.pd.prefill), ("decode", pool.pd.decode)]
+        for role, part in sets:
+            if part.config.discovery is not None:
+                yield (name, role), part.config.discovery

@@ -14,9 +14,11 @@ pools:
       max_inflight_per_replica: 128
 ```
 
-Each set takes `replicas` and, optionally, its own `max_inflight_per_replica`, `health`,
-`timeouts` and `retries` (else the pool's). `PoolConfig.role(…)` turns a set into the plain pool
-config its replicas are built, probed and timed with (docs/pd.md).
+Each set takes `replicas` or `discovery` (the same `discovery:` an aggregated pool takes: dns,
+kubernetes, static; `bootstrap_port` at the set level then applies to every discovered replica)
+and, optionally, its own `max_inflight_per_replica`, `health`, `timeouts` and `retries` (else the
+pool's). `role_config(…)` turns a set into the plain pool config its replicas are built, probed,
+timed and discovered with (docs/pd.md).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from .config_sections import HealthConfig, ReplicaConfig, TimeoutsConfig, _Strict
+from .discovery import DiscoveryConfig
 
 if TYPE_CHECKING:
     from .config_sections import PoolConfig
@@ -43,7 +46,8 @@ class PdReplicaConfig(ReplicaConfig):
 class PdSetConfig(_Strict):
     """One role's replica set of a disaggregated pool."""
 
-    replicas: tuple[PdReplicaConfig, ...]
+    replicas: tuple[PdReplicaConfig, ...] = ()
+    discovery: DiscoveryConfig | None = None  # instead of `replicas`: dns, kubernetes or static
     max_inflight_per_replica: int | None = Field(None, ge=1)
     health: HealthConfig | None = None
     timeouts: TimeoutsConfig | None = None
@@ -53,11 +57,20 @@ class PdSetConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _a_set(cls, v: Any) -> Any:
-        if isinstance(v, dict) and "replicas" not in v:
+        if isinstance(v, dict) and "replicas" not in v and "discovery" not in v:
             raise ValueError(
-                "expected a replica set: a mapping with `replicas` (a list of replica URLs)"
+                "expected a replica set: a mapping with `replicas` (a list of replica URLs) "
+                "or `discovery`"
             )
         return v
+
+    @model_validator(mode="after")
+    def _replicas_or_discovery(self) -> PdSetConfig:
+        if self.discovery is not None and self.replicas:
+            raise ValueError("replicas: set either `replicas` or `discovery`, not both")
+        if self.discovery is None and not self.replicas:
+            raise ValueError("replicas: required (a list of replica URLs), unless `discovery` is set")
+        return self
 
     @field_validator("replicas", mode="before")
     @classmethod
@@ -114,6 +127,7 @@ def role_config(pc: PoolConfig, role: str) -> PoolConfig:
     return pc.model_copy(
         update={
             "replicas": s.replicas,
+            "discovery": s.discovery,
             "max_inflight_per_replica": s.max_inflight_per_replica or pc.max_inflight_per_replica,
             "health": s.health or pc.health,
             "timeouts": s.timeouts or pc.timeouts,

@@ -105,13 +105,34 @@ def pd_pool(
     for role in ("prefill", "decode"):
         rpc = role_config(pc, role)
         old = getattr(prev.pd, role) if prev is not None and prev.pd is not None else None
-        replicas = replica_states(name, rpc, rpc.replicas, old, on_change, updates)
+        configs: Iterable[ReplicaConfig] = rpc.replicas
+        if rpc.discovery is not None:  # what discovery found, while its settings are unchanged
+            kept = old is not None and old.config.discovery == rpc.discovery
+            configs = replica_configs(old) if kept and old is not None else []
+        replicas = replica_states(name, rpc, configs, old, on_change, updates)
         same = old is not None and old.config.policy == pc.policy
         policy = old.policy if same and old is not None else build_policy(pc.policy, seed=seed)
         parts.append(Pool(name, rpc, replicas, policy, {r.name: r for r in replicas}))
-    sets = PdSets(pc.protocol or "vllm-nixl", parts[0], parts[1])
-    both = parts[0].replicas + parts[1].replicas
-    return Pool(name, pc, both, parts[0].policy, {r.name: r for r in both}, pd=sets)
+    return pd_whole(PdSets(pc.protocol or "vllm-nixl", parts[0], parts[1]), pc)
+
+
+def pd_whole(sets: PdSets, pc: PoolConfig, dispatches: int = 0) -> Pool:
+    """The pool that holds both sets (its `replicas`: the prefill set's, then the decode set's)."""
+    both = sets.prefill.replicas + sets.decode.replicas
+    by_name = {r.name: r for r in both}
+    return Pool(sets.prefill.name, pc, both, sets.prefill.policy, by_name, dispatches, sets)
+
+
+def with_set(pool: Pool, role: str, replicas: Iterable[ReplicaState]) -> Pool:
+    """A disaggregated pool whose `role` set (prefill | decode) has other replicas (discovery's)."""
+    assert pool.pd is not None
+    pd = pool.pd
+    prefill, decode = pd.prefill, pd.decode
+    if role == "prefill":
+        prefill = prefill.with_replicas(replicas)
+    else:
+        decode = decode.with_replicas(replicas)
+    return pd_whole(PdSets(pd.protocol, prefill, decode), pool.config, pool.dispatches)
 
 
 def replica_states(

@@ -25,7 +25,7 @@ from .fleet_load import FleetLoad, start_fleet_load
 from .http_client import HttpClient
 from .kv_subscriber import KvEvents
 from .metrics import Metrics
-from .pools import Pool, Update, apply_updates, replica_states
+from .pools import Pool, Update, apply_updates, replica_states, with_set
 from .ratelimit import RateLimiter
 from .replicas import ReplicaState
 from .router import Router
@@ -215,13 +215,23 @@ class Gateway:
         if old.limiter is not new.limiter and old.limiter is not None:
             background.spawn(close_quietly(old.limiter, "the old rate limiter"))
 
-    def set_endpoints(self, pool_name: str, endpoints: Iterable[tuple[str, str]]) -> None:
-        """Discovery's answer for a pool: (name, url) of every ready replica, the whole set."""
+    def set_endpoints(
+        self, pool_name: str, endpoints: Iterable[tuple[str, str]], role: str | None = None
+    ) -> None:
+        """Discovery's answer for a pool, or for a P/D pool's `role` set (prefill | decode):
+        (name, url) of every ready replica, the whole set."""
         snap = self.current
-        pool = snap.pools.get(pool_name)
-        if pool is None:
+        whole = snap.pools.get(pool_name)
+        if whole is None or (role is None) != (whole.pd is None):  # a reload changed its kind
             return
+        pool: Pool = whole if role is None else getattr(whole.pd, role)
         configs = [ReplicaConfig(url=url, name=name) for name, url in endpoints]
+        if role is not None:  # a name is one replica of the pool: the other set's names stay its
+            others = {r.name for r in whole.replicas if r.name not in pool.by_name}
+            if clash := sorted(c.display_name for c in configs if c.display_name in others):
+                log.warning("pool %s.%s: discovery found %s, already in the other set; skipped",
+                            pool_name, role, clash)  # fmt: skip
+                configs = [c for c in configs if c.display_name not in others]
         updates: list[Update] = []
         replicas = replica_states(
             pool_name, pool.config, configs, pool, self._replica_changed, updates
@@ -231,13 +241,14 @@ class Gateway:
         gone = [r for r in pool.replicas if id(r) not in kept]
         background = self.background
         added = [r.name for r in replicas if background.is_new(r)]
-        self.current = snap.replace(pools={**snap.pools, pool_name: pool.with_replicas(replicas)})
+        new = pool.with_replicas(replicas) if role is None else with_set(whole, role, replicas)
+        self.current = snap.replace(pools={**snap.pools, pool_name: new})
         background.retire(gone, pool.config.timeouts.total_s)
         background.sync(self.current)
         if added or gone:
-            log.info(
-                "pool %s: discovery added %s, removed %s", pool_name, added, [r.name for r in gone]
-            )
+            where = pool_name if role is None else f"{pool_name}.{role}"
+            removed = [r.name for r in gone]
+            log.info("pool %s: discovery added %s, removed %s", where, added, removed)
         self.notify_capacity(pool_name)
 
     def fall_back_to_bytes(self) -> None:

@@ -1,4 +1,5 @@
-"""`pools.<name>.discovery`: one model per kind, each building its backend (`open_discovery`)."""
+"""`pools.<name>.discovery` (and a P/D set's `pools.<name>.prefill|decode.discovery`): one model
+per kind, each building its backend (`open_discovery`)."""
 
 from __future__ import annotations
 
