@@ -26,7 +26,7 @@ from simulator.lora_api import adapter_cards, lora_routes
 from simulator.metrics import CONTENT_TYPE
 from simulator.openai_api import ApiError, bad
 from simulator.responses import ResponsesService
-from simulator.serving import CompletionService
+from simulator.serving import CompletionService, json_body, json_object
 from simulator.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -58,13 +58,6 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
-async def _json_body(request: Request) -> Any:
-    try:
-        return orjson.loads(await request.body())
-    except orjson.JSONDecodeError:
-        raise bad("the request body is not valid JSON") from None
-
-
 POOLED = {  # path -> the answer for a parsed body (simulator/pooling.py)
     "/v1/embeddings": pooling.embeddings, "/pooling": pooling.pooling,
     "/classify": pooling.classify, "/score": pooling.score, "/v1/score": pooling.score,
@@ -88,9 +81,7 @@ def create_app(parts: AppParts) -> Starlette:
         return await responses.handle(request)
 
     async def pooled(request: Request) -> Response:
-        body = await _json_body(request)
-        if not isinstance(body, dict):
-            raise bad("the request body must be a JSON object")
+        body = await json_object(request)
         model = body.get("model")
         if model is not None and model != parts.model_name:
             raise ApiError(404, f"The model `{model}` does not exist.", "model")
@@ -130,7 +121,7 @@ def create_app(parts: AppParts) -> Starlette:
         return Response(parts.render_metrics(), media_type=CONTENT_TYPE)
 
     async def tokenize(request: Request) -> Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
             raise bad("send either prompt or messages")
         if "messages" in body:
@@ -160,7 +151,7 @@ def create_app(parts: AppParts) -> Starlette:
     async def sim_fault(request: Request) -> Response:
         if request.method == "POST":
             try:
-                parts.faults.set(Fault.from_json(await _json_body(request)))
+                parts.faults.set(Fault.from_json(await json_body(request)))
             except ValueError as exc:
                 raise bad(str(exc)) from None
         return json_response(parts.faults.state())
@@ -178,7 +169,7 @@ def create_app(parts: AppParts) -> Starlette:
             raise ApiError(404, "this replica publishes no KV events (start it with "
                                 "--kv-events-port)")
         if request.method == "POST":
-            body = await _json_body(request)
+            body = await json_body(request)
             if not isinstance(body, dict) or set(body) - {"drop", "replayable"}:
                 raise bad('send {"drop": N, "replayable": true|false}')
             drop, replayable = body.get("drop", 0), body.get("replayable", True)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from simulator.lora import LoraState
 from simulator.openai_api import ApiError, bad
+from simulator.serving import json_object
 
 
 def adapter_cards(lora: LoraState | None, parent: str, created: int) -> list[dict[str, Any]]:
@@ -32,17 +32,8 @@ def lora_routes(lora: LoraState | None) -> list[Route]:
     if lora is None or not lora.config.runtime_updating:
         return []
 
-    async def body_of(request: Request) -> dict[str, Any]:
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError:
-            raise bad("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise bad("the request body must be a JSON object")
-        return body
-
     async def load(request: Request) -> Response:
-        body = await body_of(request)
+        body = await json_object(request)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise bad("Both 'lora_name' and 'lora_path' must be provided.")
@@ -53,7 +44,7 @@ def lora_routes(lora: LoraState | None) -> list[Route]:
                         media_type="text/plain; charset=utf-8")
 
     async def unload(request: Request) -> Response:
-        body = await body_of(request)
+        body = await json_object(request)
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
             raise bad("'lora_name' must be provided.")

@@ -13,7 +13,6 @@ a 404, as vLLM answers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections import OrderedDict
@@ -26,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 
 from simulator.openai_api import ApiError, bad
 from simulator.sequence import Sequence
-from simulator.serving import CompletionService, until_disconnect
+from simulator.serving import CompletionService, json_object, unless_gone
 
 MAX_STORED = 10_000
 TEXT_PARTS = ("text", "input_text", "output_text")
@@ -84,12 +83,7 @@ class ResponsesService:
 
     async def handle(self, request: Request) -> Response:
         svc = self.service
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError:
-            raise bad("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise bad("the request body must be a JSON object")
+        body = await json_object(request)
         model = body.get("model")
         if model is not None and model != svc.model_name:
             raise ApiError(404, f"The model `{model}` does not exist.", "model")
@@ -129,15 +123,9 @@ class ResponsesService:
         if body.get("stream") is True:
             return StreamingResponse(self._stream(answer, events, history),
                                      media_type="text/event-stream")
-        work = asyncio.ensure_future(self._collect(answer, events))
-        gone = asyncio.ensure_future(until_disconnect(request.receive))
         try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            await unless_gone(self._collect(answer, events), request.receive)
         finally:
-            for t in (work, gone):
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
             if not seq.finished:
                 svc.runner.abort(seq)
         self._store(answer, history)

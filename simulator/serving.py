@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -50,6 +50,35 @@ async def until_disconnect(receive: Receive) -> None:
         pass
 
 
+async def unless_gone(work: Awaitable[Any], receive: Receive) -> None:
+    """Run `work` until it ends or the client disconnects, whichever is first; both are then
+    cancelled and awaited (an error of `work` propagates)."""
+    tasks = (asyncio.ensure_future(work), asyncio.ensure_future(until_disconnect(receive)))
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+
+async def json_body(request: Request) -> Any:
+    """The request's JSON (400 when it is not JSON)."""
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError:
+        raise bad("the request body is not valid JSON") from None
+
+
+async def json_object(request: Request) -> dict[str, Any]:
+    """The request's JSON object (400 when it is not JSON or not an object)."""
+    body = await json_body(request)
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
 class CompletionService:
     """Everything `/v1/chat/completions` and `/v1/completions` do."""
 
@@ -68,10 +97,7 @@ class CompletionService:
         self._ids = itertools.count()
 
     async def handle(self, request: Request, *, chat: bool) -> Response:
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError:
-            raise bad("the request body is not valid JSON") from None
+        body = await json_body(request)
         req = parse_request(body, self.tok, chat=chat)
         leg = self.pd.leg(body, len(req.prompts)) if self.pd is not None else None
         if leg is not None and leg.kind.endswith("prefill"):
@@ -222,15 +248,9 @@ class CompletionService:
 
         if fault is not None and fault.mode == "die_midstream":
             self.kill_connection(request.scope.get("client"))
-        work = asyncio.ensure_future(collect())
-        gone = asyncio.ensure_future(until_disconnect(request.receive))
         try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            await unless_gone(collect(), request.receive)
         finally:
-            for t in (work, gone):
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
             self._abort_unfinished(seqs)
         if fault is not None and fault.mode == "garbage_sse":
             return Response(GARBAGE, media_type="application/json")
