@@ -94,10 +94,8 @@ class LoraDesRouter(DesRouter):
             self.pool.config = self.pool.config.model_copy(update={"lora": lora})
             self.placement = LoraPlacement(clock=lambda: self.now)
         for r, e in zip(self.replicas, cluster.engines, strict=True):
-            found = adapters_of({"data": [{"id": BASE, "parent": None},
-                                          *adapter_cards(e.lora, BASE, 0)]})
-            assert found is not None
-            r.lora.set_models(*found)
+            r.lora.set_models(*adapters_of([{"id": BASE, "parent": None},
+                                            *adapter_cards(e.lora, BASE, 0)]))
 
     async def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
         placement, model = self.placement, req.meta["lora"]

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from .budgets import BUSY_RETRY_S, BodyBudget
 from .config import Config
-from .control_client import get_json
+from .control_client import model_cards
 from .endpoint import ProxyEndpoint, send_error
 from .errors import (
     ConfigRejected,
@@ -201,9 +201,7 @@ class _ModelList:
         replicas = [r for r in self.gw.all_replicas() if r.available(now)]
 
         async def one(url: str) -> list[dict[str, Any]]:
-            data = await get_json(self.gw.session, url + "/v1/models", timeout_s=2.0)
-            cards = data.get("data") if isinstance(data, dict) else None
-            return [c for c in cards or [] if isinstance(c, dict) and isinstance(c.get("id"), str)]
+            return await model_cards(self.gw.session, url, timeout_s=2.0) or []
 
         merged: dict[str, dict[str, Any]] = {}
         for cards in await asyncio.gather(*(one(r.url) for r in replicas)):

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, Protocol
 
-from .control_client import ControlClient, get_json
+from .control_client import ControlClient, model_cards
 from .discovery import DiscoveryConfig, DiscoveryError
 from .kv_subscriber import KvEvents, check_parity
 from .pools import Pool
@@ -242,11 +242,8 @@ class Background:
         """The model a replica serves: from config, else its /v1/models (first card)."""
         if r.models:
             return sorted(r.models)[0]
-        data = await get_json(self.session, r.url + "/v1/models", timeout_s=5.0)
-        cards = data.get("data") if isinstance(data, dict) else None
-        if cards and isinstance(cards[0], dict) and isinstance(cards[0].get("id"), str):
-            return str(cards[0]["id"])
-        return None
+        cards = await model_cards(self.session, r.url, timeout_s=5.0)
+        return str(cards[0]["id"]) if cards else None
 
 
 def _discovered(snap: Snapshot) -> Iterator[tuple[Source, DiscoveryConfig]]:

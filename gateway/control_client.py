@@ -184,3 +184,15 @@ async def _json(client: ControlClient, method: str, url: str, body: Any, timeout
         return orjson.loads(reply.body) if reply.status == 200 else None
     except CONTROL_ERRORS:  # orjson.JSONDecodeError is a ValueError
         return None
+
+
+async def model_cards(
+    client: ControlClient, url: str, *, timeout_s: float
+) -> list[dict[str, Any]] | None:
+    """A replica's `/v1/models` cards (the dicts with a string `id`, in its order); None when it
+    did not answer with a list (down, an error, another shape)."""
+    data = await get_json(client, url + "/v1/models", timeout_s=timeout_s)
+    cards = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(cards, list):
+        return None
+    return [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]

@@ -24,7 +24,7 @@ from typing import Any
 from policies.scorers.lora import adapter_state
 from policies.types import LoraView
 
-from .control_client import CONTROL_ERRORS, ControlClient, fetch, get_json
+from .control_client import CONTROL_ERRORS, ControlClient, fetch, model_cards
 
 LORA_INFO = "vllm:lora_requests_info"
 DEFAULT_MAX_LORAS = 1  # vLLM's --max-loras default, until the metric says otherwise
@@ -32,16 +32,11 @@ _MAX_ADAPTERS = 4096  # bound on the names kept per replica
 DEMAND_DECAY = 0.97  # per request sent to the replica: demand is over its last ~30 requests
 
 
-def adapters_of(models: Any) -> tuple[frozenset[str], frozenset[str]] | None:
-    """(adapters, base models) from a `/v1/models` answer; None when it is not one."""
-    cards = models.get("data") if isinstance(models, dict) else None
-    if not isinstance(cards, list):
-        return None
+def adapters_of(cards: Iterable[Mapping[str, Any]]) -> tuple[frozenset[str], frozenset[str]]:
+    """(adapters, base models) from a replica's `/v1/models` cards (`model_cards`)."""
     adapters: set[str] = set()
     base: set[str] = set()
     for card in cards:
-        if not isinstance(card, dict) or not isinstance(card.get("id"), str):
-            continue
         (adapters if isinstance(card.get("parent"), str) else base).add(card["id"])
     return frozenset(adapters), frozenset(base)
 
@@ -208,10 +203,10 @@ class ReplicaAdapters:
 
 async def refresh_models(client: ControlClient, url: str, into: ReplicaAdapters) -> bool:
     """Read the replica's `/v1/models` into `into`; False when it did not answer with a list."""
-    found = adapters_of(await get_json(client, url + "/v1/models", timeout_s=5.0))
-    if found is None:
+    cards = await model_cards(client, url, timeout_s=5.0)
+    if cards is None:
         return False
-    into.set_models(*found)
+    into.set_models(*adapters_of(cards))
     return True
 
 

@@ -77,11 +77,10 @@ def test_the_newest_series_wins_and_names_in_flight_adapters() -> None:
 
 
 def test_models_cards_with_a_parent_are_adapters() -> None:
-    cards = {"data": [{"id": BASE, "parent": None}, {"id": "sql", "parent": BASE, "root": "/x"}]}
+    cards = [{"id": BASE, "parent": None}, {"id": "sql", "parent": BASE, "root": "/x"}]
     assert adapters_of(cards) == (frozenset({"sql"}), frozenset({BASE}))
-    assert adapters_of({"error": "nope"}) is None
     plain = ReplicaAdapters()
-    found = adapters_of({"data": [{"id": BASE, "parent": None}]})
+    found = adapters_of([{"id": BASE, "parent": None}])
     assert found == (frozenset(), frozenset({BASE}))
     plain.set_models(*found)
     assert plain.view() is None  # no adapter: routing sees no LoRA, as before
