@@ -350,10 +350,6 @@ class IndexConfig(_Strict):
                 "snapshot_path: only the memory index writes a snapshot (the redis index "
                 "outlives a gateway by itself)"
             )
-        if self.events.enabled and self.backend != "memory":
-            raise ValueError(
-                "events.enabled: KV events require backend: memory (the redis index keeps no engine-reported entries yet)"
-            )
         return self
 
 

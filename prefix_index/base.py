@@ -57,6 +57,14 @@ class PrefixIndex(Protocol):
         ignored (the backend takes no engine reports)."""
         return None
 
+    def match_tiers(
+        self, scope: str, hashes: Sequence[int], gpu: dict[str, int]
+    ) -> dict[str, dict[str, int]]:
+        """Per replica, the blocks after its GPU depth (`gpu`, what `match` said) that its lower
+        KV tiers or the shared store hold, by tier (docs/tiers.md); replicas with none are left
+        out. Default: {} (the backend keeps no tiers)."""
+        return {}
+
     def stats_now(self) -> IndexStats | None:
         """A snapshot without awaiting, for a metrics scrape; None (the default) when taking one
         would need I/O (`stats`, where a backend has it, awaits)."""
@@ -65,7 +73,8 @@ class PrefixIndex(Protocol):
 
 @runtime_checkable
 class EngineEventSink(Protocol):
-    """Where engine-reported blocks go (precise mode; the memory backend implements it).
+    """Where engine-reported blocks go (precise mode; both backends implement it, the redis
+    backend in this gateway's process: prefix_index/_redis_local.py).
 
     `record_engine` / `evict_engine` take blocks the engine reported stored / evicted, in the
     gateway's own hashes. They are kept apart from what `record` learned from routing
@@ -93,8 +102,8 @@ class IndexStats:
     where counting it would cost a scan (redis). `bytes_estimate` is the index's own memory
     (memory backend) or the Redis memory its entries take (redis backend, from the measured
     bytes per entry). `healthy` is False while the backend is unreachable. The `engine_*`
-    fields count engine-reported entries (precise mode, memory backend): per replica, in all,
-    and how many the safety cap pushed out. `scopes` counts the scopes held; `bound_evicted`
+    fields count engine-reported entries (precise mode; with redis, this gateway's own): per
+    replica, in all, and how many the safety cap pushed out. `scopes` counts the scopes held; `bound_evicted`
     counts entries the global bound (`max_blocks`) pushed out, since start (memory) or over
     every gateway of the namespace (redis).
     """

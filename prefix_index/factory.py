@@ -42,6 +42,7 @@ def _redis(
         capacity_blocks=capacity_blocks,
         ttl_s=DEFAULT_REDIS_TTL_S if ttl_s is None else ttl_s,
         max_blocks=max_blocks,
+        routed_ttl_s=routed_ttl_s,
     )
 
 
@@ -63,7 +64,8 @@ def open_index(
     """The index for `index.backend` (memory | redis). For redis, `ttl_s=None` means the
     default 600 s: shared entries must age out when a gateway or replica vanishes.
     `routed_ttl_s` is the life of a routed entry on a replica in precise mode (KV events);
-    only the memory backend has that mode (it alone is an EngineEventSink). `max_blocks`
+    both backends have that mode (both are EngineEventSinks; the redis one keeps engine
+    entries in each gateway's process, routed ones shared). `max_blocks`
     bounds the whole index, over every scope and replica (see MemoryIndex)."""
     make = BACKENDS.get(backend)
     if make is None:

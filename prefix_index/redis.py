@@ -10,7 +10,8 @@ recorded scopes when the entries of all scopes exceed `max_blocks`.
 
 This module is the index's contract (and its local view and cache); the connection through
 outages is prefix_index/_link.py, the writes' sender, outage buffer and journal replay
-prefix_index/_flusher.py, the scope accounts and the bound prefix_index/_accounts.py.
+prefix_index/_flusher.py, the scope accounts and the bound prefix_index/_accounts.py. Precise
+mode (KV events, lower tiers) keeps the engine's entries per gateway: prefix_index/_redis_local.py.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from prefix_index._bound import check_bounds
 from prefix_index._fastlane import pack_chain
 from prefix_index._flusher import Flusher
 from prefix_index._link import OUTAGE, SHA, RedisLink, RedisTuning
+from prefix_index._redis_local import LocalEntries
 from prefix_index._writes import Write
 from prefix_index.base import IndexStats, PrefixIndex
 from prefix_index.constants import (
@@ -36,6 +38,7 @@ from prefix_index.constants import (
     DEFAULT_MAX_BLOCKS,
     DEFAULT_NAMESPACE,
     DEFAULT_REDIS_TTL_S,
+    DEFAULT_ROUTED_TTL_S,
     ScopeKeys,
     replica_scopes_key,
     replicas_key,
@@ -56,7 +59,7 @@ _HINTS_MAX = 4
 _log = logging.getLogger("prefix_index")
 
 
-class RedisIndex(PrefixIndex):
+class RedisIndex(LocalEntries, PrefixIndex):
     """A PrefixIndex in Redis, shared by every gateway that uses the same url and namespace.
 
     `capacity_blocks` per replica and scope, `ttl_s` (None: entries never age out), `namespace`
@@ -71,6 +74,10 @@ class RedisIndex(PrefixIndex):
     match stays one round trip and a batch of writes one pipeline. The bound may be overshot by
     what all gateways wrote since their last account. With a TTL every key the backend writes
     expires, and scopes idle past it are swept from the accounts (their keys deleted).
+
+    Precise mode (EngineEventSink, prefix_index/_redis_local.py): engine-reported entries and
+    tiers stay in this process; routed records of a replica marked with `set_precise` are
+    written to Redis with `routed_ttl_s` (or `ttl_s` if shorter) as their life.
     """
 
     def __init__(
@@ -84,8 +91,11 @@ class RedisIndex(PrefixIndex):
         clock: Callable[[], float] = time.time,
         tuning: RedisTuning | None = None,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
+        routed_ttl_s: float = DEFAULT_ROUTED_TTL_S,
     ) -> None:
         check_bounds(capacity_blocks, max_blocks, ttl_s)
+        if routed_ttl_s <= 0:
+            raise ValueError(f"routed_ttl_s must be positive, got {routed_ttl_s}")
         if not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"namespace must be non-empty and without braces, got {namespace!r}")
         self.url = url
@@ -95,13 +105,18 @@ class RedisIndex(PrefixIndex):
         self._default_capacity = capacity_blocks
         self._capacity: dict[str, int] = {}
         self._ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
+        routed_ms = max(1, round(routed_ttl_s * 1000))
+        self._routed_ttl_ms = min(routed_ms, self._ttl_ms) if self._ttl_ms else routed_ms
         self._cache_s = local_cache_s
         self._clock = clock
-        self._local = (
-            MemoryIndex(capacity_blocks, ttl_s, clock, max_blocks=max_blocks)
-            if t.local_view
-            else None
+        # the local view (this gateway's own routed writes) also holds the engine's entries
+        engine = MemoryIndex(
+            capacity_blocks, ttl_s, clock, routed_ttl_s=routed_ttl_s, max_blocks=max_blocks
         )
+        self._local = engine if t.local_view else None
+        self._engine = engine
+        self._engine_fed = False
+        self._precise: set[str] = set()
         view = "this gateway's own view" if self._local is not None else "zero hits"
         self._link = link = RedisLink(target, namespace, t, self._ttl_ms, view, self._on_down,
                                       self._on_back, self._on_lost)  # fmt: skip
@@ -158,36 +173,40 @@ class RedisIndex(PrefixIndex):
         link = self._link
         if link.down or link.closed:
             return self._local_answer(scope, hashes, replicas)
+        answer: dict[str, int] | None = None
         generation = self._generation.get(scope, 0)
         cache_key: tuple[Any, ...] | None = None
         if self._cache_s > 0:
             cache_key = (scope, len(hashes), hashes[-1], generation, *replicas)
             hit = self._cache.get(cache_key)
             if hit is not None and hit[0] > time.monotonic():
-                return dict(hit[1])
-        keys = self._scope_keys(scope)
-        command = link.lane.command(
-            (b"EVALSHA", _MATCH_SHA, b"1", keys.seq, keys.prefix, b"%d" % self._now_ms(),
-             pack_chain(hashes), self._hints.get(scope, b"")),
-            replicas,
-        )  # fmt: skip
-        try:
-            answer = await link.lane.call(command, link.load_scripts)
-        except OUTAGE as exc:
-            link.went_down(exc)
-            return self._local_answer(scope, hashes, replicas)
-        except RedisError as exc:
-            link.complain("match", exc)
-            return self._local_answer(scope, hashes, replicas)
-        depths = [int(d) for d in answer.split(b",")]
-        result = dict(zip(replicas, depths, strict=True))
-        self._remember_depths(scope, depths)
-        if cache_key is not None and self._generation.get(scope, 0) == generation:
-            if len(self._cache) >= _CACHE_MAX:
-                self._cache.clear()
-            self._cache[cache_key] = (time.monotonic() + self._cache_s, result)
-            return dict(result)
-        return result
+                answer = dict(hit[1])
+        if answer is None:
+            keys = self._scope_keys(scope)
+            command = link.lane.command(
+                (b"EVALSHA", _MATCH_SHA, b"1", keys.seq, keys.prefix, b"%d" % self._now_ms(),
+                 pack_chain(hashes), self._hints.get(scope, b"")),
+                replicas,
+            )  # fmt: skip
+            try:
+                reply = await link.lane.call(command, link.load_scripts)
+            except OUTAGE as exc:
+                link.went_down(exc)
+                return self._local_answer(scope, hashes, replicas)
+            except RedisError as exc:
+                link.complain("match", exc)
+                return self._local_answer(scope, hashes, replicas)
+            depths = [int(d) for d in reply.split(b",")]
+            answer = dict(zip(replicas, depths, strict=True))
+            self._remember_depths(scope, depths)
+            if cache_key is not None and self._generation.get(scope, 0) == generation:
+                if len(self._cache) >= _CACHE_MAX:
+                    self._cache.clear()
+                self._cache[cache_key] = (time.monotonic() + self._cache_s, answer)
+                answer = dict(answer)
+        if self._engine_fed:  # KV events: the engine's word is kept here, not in Redis
+            return self._with_engine(scope, hashes, replicas, answer)
+        return answer
 
     async def record(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         write = self._record_write(scope, replica, hashes)
@@ -210,7 +229,10 @@ class RedisIndex(PrefixIndex):
             self._local.record_now(scope, replica, hashes)
         keys = self._scope_keys(scope)
         now = self._now_ms()
-        expiry = now + self._ttl_ms if self._ttl_ms else 0
+        if replica in self._precise:  # a guess until the engine reports (set_precise)
+            expiry = now + self._routed_ttl_ms
+        else:
+            expiry = now + self._ttl_ms if self._ttl_ms else 0
         capacity = self._capacity.get(replica, self._default_capacity)
         step = self._tuning.segment_blocks
         # Deepest segment first: each call's blocks are more recent than the deeper ones, so
@@ -246,8 +268,7 @@ class RedisIndex(PrefixIndex):
     async def forget(self, replica: str) -> None:
         if self._link.closed:
             return
-        if self._local is not None:
-            self._local.forget_now(replica)
+        self._engine.forget_now(replica)  # the local view, engine entries and tiers
         self._flusher.journal.drop_replica(replica)
         await self._write(None, Write([], forget=replica))
 
@@ -269,14 +290,14 @@ class RedisIndex(PrefixIndex):
             dropped_writes=self._flusher.queue.dropped,
         )
         if self._link.down or self._link.closed:
-            return base
+            return self._engine_stats(base)
         try:
             per_replica, scopes, evicted = await self._accounts.counts()
         except OUTAGE as exc:
             self._link.went_down(exc)
-            return base
+            return self._engine_stats(base)
         entries = sum(per_replica.values())
-        return IndexStats(
+        return self._engine_stats(IndexStats(
             backend="redis",
             blocks_per_replica=per_replica,
             entries=entries,
@@ -285,7 +306,7 @@ class RedisIndex(PrefixIndex):
             dropped_writes=self._flusher.queue.dropped,
             scopes=scopes,
             bound_evicted=evicted,
-        )
+        ))  # fmt: skip
 
     # -- writes: queued, batched, buffered through an outage ----------------------------------
 
@@ -309,19 +330,6 @@ class RedisIndex(PrefixIndex):
         flusher = self._flusher
         flusher.queue.push(write)
         flusher.kick()
-
-    def match_local(
-        self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
-    ) -> dict[str, int] | None:
-        """This gateway's own writes, matched without a round trip (None: no local view)."""
-        return None if self._local is None else self._local.match_now(scope, hashes, replicas)
-
-    def _local_answer(
-        self, scope: str, hashes: Sequence[int], replicas: Sequence[str]
-    ) -> dict[str, int]:
-        if self._local is None:
-            return dict.fromkeys(replicas, 0)
-        return self._local.match_now(scope, hashes, replicas)
 
     # -- what the link reports: Redis out, back, or without the index -------------------------
 

@@ -4,6 +4,7 @@ allows), never a 500."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -51,6 +52,21 @@ def test_a_bad_redis_url_names_its_key(section: str, url: str) -> None:
 def test_good_redis_urls_load(url: str) -> None:
     cfg = parse_config({**POOL, "index": {"redis_url": url}, "ratelimit": {"redis_url": url}})
     assert cfg.index.redis_url == cfg.ratelimit.redis_url == url
+
+
+def test_kv_events_load_with_the_redis_index_in_tokens_mode(tmp_path: Path) -> None:
+    """The redis index keeps engine entries per gateway (prefix_index/_redis_local.py): KV
+    events need tokens mode, whichever the backend."""
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text("{}")
+    chunking = {"mode": "tokens", "tokenizer": str(tokenizer), "chat_template": "chatml"}
+    index = {"backend": "redis", "events": {"enabled": True, "routed_ttl_s": 2.5}}
+    cfg = parse_config({**POOL, "index": {**index, "chunking": chunking}})
+    assert cfg.index.backend == "redis" and cfg.index.events.enabled
+    with pytest.raises(ConfigError) as info:
+        parse_config({**POOL, "index": index})
+    (line,) = info.value.problems
+    assert line.startswith("index.events.enabled: KV events require chunking.mode: tokens"), line
 
 
 def test_a_password_in_a_bad_url_is_not_repeated() -> None:

@@ -151,7 +151,7 @@ async def test_broken_token_parity_falls_back_to_bytes_mode(tmp_path: Path) -> N
             await gw.stop()
 
 
-def test_events_need_tokens_mode_and_memory_index() -> None:
+def test_events_need_tokens_mode() -> None:
     from gateway.config import ConfigError
 
     base = {"pools": {"chat": {"replicas": ["http://a:1"]}}}

@@ -1,5 +1,6 @@
 """The optional capabilities of PrefixIndex (record_nowait, match_local, set_capacity,
-set_precise, stats_now): the Protocol's defaults, and what each backend does instead."""
+set_precise, match_tiers, stats_now): the Protocol's defaults, and what each backend does
+instead."""
 
 from __future__ import annotations
 
@@ -69,13 +70,14 @@ async def test_a_backend_with_only_the_contract_gets_the_do_nothing_defaults() -
     index.set_capacity("r1", 1)
     index.set_precise("r1")
     assert await index.match(S, CHAIN, ["r1"]) == {"r1": 4}  # both were ignored
+    assert index.match_tiers(S, CHAIN, {"r1": 4}) == {}  # keeps no tiers
     assert index.stats_now() is None
 
 
 def test_both_backends_subclass_the_protocol() -> None:
     for backend in (MemoryIndex, RedisIndex):
         assert PrefixIndex in backend.__mro__
-    assert EngineEventSink in MemoryIndex.__mro__  # precise mode is the memory backend's
+    assert EngineEventSink in MemoryIndex.__mro__ and EngineEventSink in RedisIndex.__mro__
 
 
 async def test_record_nowait_is_taken_and_seen_locally_at_once(
@@ -120,13 +122,14 @@ async def test_set_capacity_applies_on_both(kind: str, make_index: Callable[...,
     assert await index.match(S, CHAIN, ["r1"]) == {"r1": 2}
 
 
-async def test_set_precise_is_ignored_by_redis(make_index: Callable[..., Any]) -> None:
+async def test_set_precise_shortens_routed_entries_on_both(
+    kind: str, make_index: Callable[..., Any]
+) -> None:
     clock = FakeClock()
-    memory = make_index("memory", ttl_s=None, clock=clock)
-    redis = make_index("redis", ttl_s=None, clock=clock)
-    for index in (memory, redis):
-        index.set_precise("r1")
-        await index.record(S, "r1", CHAIN)
+    index = make_index(kind, ttl_s=None, clock=clock)
+    index.set_precise("r1")
+    await index.record(S, "r1", CHAIN)
+    await index.record(S, "r2", CHAIN)
     clock.advance(DEFAULT_ROUTED_TTL_S + 1)
-    assert await memory.match(S, CHAIN, ["r1"]) == {"r1": 0}  # a guess until the engine reports
-    assert await redis.match(S, CHAIN, ["r1"]) == {"r1": 4}  # takes no engine reports: unchanged
+    # r1: a guess until the engine reports; r2 is not precise (no TTL)
+    assert await index.match(S, CHAIN, ["r1", "r2"]) == {"r1": 0, "r2": 4}

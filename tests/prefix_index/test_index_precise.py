@@ -1,24 +1,37 @@
-"""Precise mode in the memory index: engine-reported blocks beside routed guesses."""
+"""Precise mode: engine-reported blocks beside routed guesses, on both backends (the redis
+one keeps engine entries in its own process: test_index_precise_redis.py has what differs)."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
-from prefix_index import EngineEventSink, MemoryIndex, PrefixIndex
-from tests.prefix_index.conftest import FakeClock
+import pytest
+
+from prefix_index import EngineEventSink, MemoryIndex, PrefixIndex, RedisIndex
+from tests.prefix_index.conftest import BACKENDS, FakeClock
 
 S = "m5:model"
 A = [1_000_003 + i for i in range(10)]
 B = A[:3] + [2_000_003 + i for i in range(5)]
 
 
-def test_the_memory_index_is_an_engine_event_sink() -> None:
-    index = MemoryIndex()
-    assert isinstance(index, EngineEventSink) and isinstance(index, PrefixIndex)
+@pytest.fixture(params=BACKENDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
-async def test_match_takes_the_longer_run_of_the_two_sources() -> None:
-    index = MemoryIndex()
+def test_both_backends_are_engine_event_sinks(make_index: Callable[..., Any]) -> None:
+    for index in (make_index("memory"), make_index("redis")):
+        assert isinstance(index, EngineEventSink) and isinstance(index, PrefixIndex)
+    assert EngineEventSink in MemoryIndex.__mro__ and EngineEventSink in RedisIndex.__mro__
+
+
+async def test_match_takes_the_longer_run_of_the_two_sources(
+    kind: str, make_index: Callable[..., Any]
+) -> None:
+    index = make_index(kind)
     await index.record(S, "r1", A[:4])  # routed: 4
     await index.record_engine(S, "r1", A[:7])  # engine: 7
     await index.record(S, "r2", A)  # routed only: 10
@@ -33,8 +46,10 @@ async def test_match_takes_the_longer_run_of_the_two_sources() -> None:
     assert await index.match(S, B, ["r1", "r3"]) == {"r1": 3, "r3": 3}
 
 
-async def test_engine_blocks_need_not_be_prefix_closed() -> None:
-    index = MemoryIndex()
+async def test_engine_blocks_need_not_be_prefix_closed(
+    kind: str, make_index: Callable[..., Any]
+) -> None:
+    index = make_index(kind)
     await index.record_engine(S, "r1", A)
     await index.evict_engine(S, "r1", [A[3]])  # the engine evicted a block in the middle
     assert await index.match(S, A, ["r1"]) == {"r1": 3}
@@ -44,9 +59,11 @@ async def test_engine_blocks_need_not_be_prefix_closed() -> None:
     assert await index.match(S, A, ["r1"]) == {"r1": 10}
 
 
-async def test_routed_entries_are_short_lived_on_a_precise_replica() -> None:
+async def test_routed_entries_are_short_lived_on_a_precise_replica(
+    kind: str, make_index: Callable[..., Any]
+) -> None:
     clock = FakeClock()
-    index = MemoryIndex(ttl_s=None, clock=clock, routed_ttl_s=10.0)
+    index = make_index(kind, ttl_s=None, clock=clock, routed_ttl_s=10.0)
     index.set_precise("r1")
     await index.record(S, "r1", A)
     await index.record(S, "r2", A)  # not precise: no TTL, as before
@@ -60,6 +77,7 @@ async def test_routed_entries_are_short_lived_on_a_precise_replica() -> None:
 
 
 async def test_turning_precise_on_cuts_existing_routed_entries() -> None:
+    """The memory index's own entries; Redis' keep their expiry (test_index_precise_redis)."""
     clock = FakeClock()
     index = MemoryIndex(ttl_s=600, clock=clock, routed_ttl_s=5.0)
     await index.record(S, "r1", A)
@@ -74,6 +92,7 @@ async def test_turning_precise_on_cuts_existing_routed_entries() -> None:
 
 
 async def test_an_engine_eviction_also_cuts_the_routed_guess() -> None:
+    """In memory at once; in Redis the guess lasts its routed_ttl_s (test_index_precise_redis)."""
     index = MemoryIndex()
     index.set_precise("r1")
     await index.record(S, "r1", A)
@@ -84,9 +103,11 @@ async def test_an_engine_eviction_also_cuts_the_routed_guess() -> None:
     assert await index.match(S, A, ["r1"]) == {"r1": 6}
 
 
-async def test_forget_clears_both_and_keeps_the_precise_mark() -> None:
+async def test_forget_clears_both_and_keeps_the_precise_mark(
+    kind: str, make_index: Callable[..., Any]
+) -> None:
     clock = FakeClock()
-    index = MemoryIndex(clock=clock, routed_ttl_s=1.0)
+    index = make_index(kind, clock=clock, routed_ttl_s=1.0)
     index.set_precise("r1")
     await index.record(S, "r1", A)
     await index.record_engine(S, "r1", A)
@@ -96,10 +117,10 @@ async def test_forget_clears_both_and_keeps_the_precise_mark() -> None:
     await index.record(S, "r1", A)
     clock.advance(1.5)
     assert await index.match(S, A, ["r1"]) == {"r1": 0}
-    stats = index.stats_now()
+    stats = await index.stats()
     assert stats.engine_blocks_per_replica == {"r2": 10} and stats.engine_entries == 10
     await index.forget("r2")
-    assert index.stats_now().engine_entries == 0
+    assert (await index.stats()).engine_entries == 0
 
 
 async def test_the_engine_safety_cap_drops_the_oldest_reports() -> None:
@@ -113,14 +134,16 @@ async def test_the_engine_safety_cap_drops_the_oldest_reports() -> None:
     assert await index.match(S, A, ["r1"]) == {"r1": 2}
 
 
-async def test_engine_entries_against_a_naive_model() -> None:
+async def test_engine_entries_against_a_naive_model(
+    kind: str, make_index: Callable[..., Any]
+) -> None:
     """Random stores and evictions of pieces of a few chains; print the seed on failure."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     chains = [[c * 10_000 + i for i in range(12)] for c in range(3)]
     chains.append(chains[0][:5] + [99_000 + i for i in range(7)])
     replicas = ["r0", "r1", "r2"]
-    index = MemoryIndex()
+    index = make_index(kind)
     model: dict[str, set[int]] = {r: set() for r in replicas}
     for _ in range(400):
         r = rng.choice(replicas)

@@ -1,11 +1,15 @@
 """Tiered KV in the index: `medium` of both engines' encodings (byte-exact fixtures), the
-applier's lower-tier path, placeholder and unknown media counted, and `match_tiers`."""
+applier's lower-tier path, placeholder and unknown media counted, and `match_tiers` (on both
+backends: the redis one keeps tiers in the gateway's process, beside its engine entries)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
-from prefix_index import ByteChunker, MemoryIndex, scope_key
+from prefix_index import ByteChunker, EngineEventSink, MemoryIndex, scope_key
 from prefix_index.events import (
     BlockRemoved,
     BlockStored,
@@ -14,6 +18,7 @@ from prefix_index.events import (
     decode_batch,
 )
 from prefix_index.tiers import CPU, DISK, GPU, SHARED, TierStore, normalize_medium
+from tests.prefix_index.conftest import BACKENDS
 
 pytest.importorskip("msgspec.msgpack")
 
@@ -88,12 +93,19 @@ def test_media_normalise(medium: str | None, tier: str | None) -> None:
     assert normalize_medium(medium) == tier
 
 
-def applier(index: MemoryIndex, replica: str = "r1") -> KvEventApplier:
+def applier(index: EngineEventSink, replica: str = "r1") -> KvEventApplier:
     return KvEventApplier(index, CHUNKER, lambda lora: S, replica)
 
 
-async def test_fixtures_place_blocks_on_their_tiers() -> None:
-    index = MemoryIndex()
+@pytest.fixture(params=BACKENDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def test_fixtures_place_blocks_on_their_tiers(
+    kind: str, make_index: Callable[..., Any]
+) -> None:
+    index = make_index(kind)
     vllm, sgl = applier(index, "v"), applier(index, "s")
     await vllm.apply(decode_batch(bytes.fromhex(VLLM_CPU_HEX)))
     await sgl.apply(decode_batch(bytes.fromhex(SGLANG_HEX)))
@@ -115,10 +127,12 @@ async def test_placeholders_are_ignored_and_counted() -> None:
     assert index.tiers.counts() == {CPU: 0, DISK: 0, SHARED: 0}
 
 
-async def test_a_spilled_chain_continues_on_the_cpu_tier() -> None:
+async def test_a_spilled_chain_continues_on_the_cpu_tier(
+    kind: str, make_index: Callable[..., Any]
+) -> None:
     prompt = list(range(1000, 1000 + 16 * 4))
     own = CHUNKER.hash_tokens(S, prompt)
-    index = MemoryIndex()
+    index = make_index(kind)
     app = applier(index)
     gpu = BlockStored([1, 2, 3, 4], None, prompt, 16, medium="GPU")
     await app.apply(EventBatch(0.0, [gpu]))
