@@ -19,6 +19,7 @@ from simulator.fleet import Fleet
 from simulator.lora import LoraConfig
 from simulator.pd import PROTOCOLS, ROLES, PdOptions
 from simulator.profiles import load_gpus, load_models
+from simulator.tiers import SHARED_GBPS
 from simulator.tokenizer import TokenizerJson
 
 
@@ -72,6 +73,11 @@ def parser() -> argparse.ArgumentParser:
                    help="a host-memory KV tier per replica: GPU evictions spill there, prefixes "
                         "found there load at --cpu-kv-gbps (docs/tiers.md; default: none)")
     p.add_argument("--cpu-kv-gbps", type=float, default=50.0)
+    p.add_argument("--shared-kv-gb", type=float, default=0.0,
+                   help="one KV store of G GB shared by all replicas (LMCache / Mooncake "
+                        "style): every computed block is written through, any replica loads "
+                        "from it at --shared-kv-gbps (docs/tiers.md; default: none)")
+    p.add_argument("--shared-kv-gbps", type=float, default=SHARED_GBPS)
     p.add_argument("--lora-modules", nargs="*", default=None, metavar="NAME",
                    help="serve these LoRA adapters (enables LoRA; /v1/models lists them)")
     p.add_argument("--max-loras", type=int, default=1, help="GPU adapter slots (vLLM's default 1)")
@@ -140,6 +146,7 @@ def fleet_from_args(args: argparse.Namespace) -> Fleet:
         kv_events_encoding=args.kv_events_encoding,
         cpu_kv_gb=args.cpu_kv_gb or None, cpu_kv_gbps=args.cpu_kv_gbps,
         lora=lora_from_args(args), pd=pd_from_args(args),
+        shared_kv_gb=args.shared_kv_gb or None, shared_kv_gbps=args.shared_kv_gbps,
     )
 
 
@@ -161,6 +168,9 @@ async def serve(fleet: Fleet) -> None:
                 print(f"replica {i} kv_events={r.kv_events.endpoint} "
                       f"replay={r.kv_events.replay_endpoint} "
                       f"encoding={r.kv_events.options.encoding}", flush=True)
+        if fleet.shared is not None:
+            print(f"shared kv store blocks={fleet.shared.capacity} "
+                  f"gbps={fleet.shared.gbps:g}", flush=True)
         await stop.wait()
 
 

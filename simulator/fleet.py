@@ -21,6 +21,7 @@ from simulator.config import (
 from simulator.pd import PdOptions
 from simulator.profiles import GpuProfile, ModelProfile
 from simulator.replica import Replica
+from simulator.tiers import SHARED_GBPS, SharedStore, StoreOutbox, attach_shared, shared_store
 from simulator.tokenizer import Tokenizer, TokenizerJson
 
 
@@ -32,6 +33,10 @@ class Fleet:
     `tokenizer`: a path to a local tokenizer.json (or a Tokenizer) shared by all replicas.
     `kv_events_port`: publish KV events; replica i on `port + 2i`, replay on `port + 2i + 1`
     (0: ephemeral ports, kept across a restart). A restarted replica's sequence starts at 0.
+    `shared_kv_gb`: one KV store of that size shared by all replicas (simulator/tiers.py,
+    LMCache / Mooncake style), loaded at `shared_kv_gbps` GB/s; it outlives a replica's
+    restart. With KV events, each replica publishes the store's `EXTERNAL` events about the
+    blocks it wrote first (their removal too).
     """
 
     def __init__(self, n: int = 4, model: str | ModelProfile = "qwen2.5-14b",
@@ -42,7 +47,8 @@ class Fleet:
                  kv_events_port: int | None = None,
                  kv_events_encoding: KvEventsEncoding = "map",
                  kv_events_buffer_steps: int = DEFAULT_KV_EVENTS_BUFFER,
-                 pd: PdOptions | None = None, **engine_overrides: Any) -> None:
+                 pd: PdOptions | None = None, shared_kv_gb: float | None = None,
+                 shared_kv_gbps: float = SHARED_GBPS, **engine_overrides: Any) -> None:
         if n < 1:
             raise ValueError("a fleet needs at least one replica")
         self.n = n
@@ -59,6 +65,16 @@ class Fleet:
                 for i in range(n)
             ]
         self.config: EngineConfig = build_config(model, gpu, **engine_overrides)
+        self.shared: SharedStore | None = None
+        self._outboxes: list[StoreOutbox] | None = None
+        if shared_kv_gb:
+            if shared_kv_gb < 0 or shared_kv_gbps <= 0:
+                raise ValueError("shared_kv_gb must be >= 0 and shared_kv_gbps > 0")
+            self.shared = shared_store(
+                shared_kv_gb, bytes_per_token=self.config.perf.kv_bytes_per_token,
+                block_size=self.config.block_size, gbps=shared_kv_gbps)
+            if self.kv_events is not None:  # one per replica slot: a restart keeps its blocks'
+                self._outboxes = [StoreOutbox() for _ in range(n)]
         self.speedup = speedup
         self.seed = seed
         self.base_port = base_port
@@ -78,11 +94,15 @@ class Fleet:
                 if (p := r.kv_events) is not None]
 
     def _replica(self, i: int, port: int) -> Replica:
-        return Replica(self.config, seed=self.seed + i, speedup=self.speedup,
-                       served_model_name=self.served_model_name, host=self.host, port=port,
-                       tokenizer=self.tokenizer,
-                       kv_events=self.kv_events[i] if self.kv_events else None,
-                       pd=self._pd(i))
+        replica = Replica(self.config, seed=self.seed + i, speedup=self.speedup,
+                          served_model_name=self.served_model_name, host=self.host, port=port,
+                          tokenizer=self.tokenizer,
+                          kv_events=self.kv_events[i] if self.kv_events else None,
+                          pd=self._pd(i))
+        if self.shared is not None:
+            boxes = self._outboxes
+            attach_shared([replica.engine], self.shared, None if boxes is None else [boxes[i]])
+        return replica
 
     def _pd(self, i: int) -> PdOptions | None:
         pd = self.pd

@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from simulator.config import KvEventsOptions
 from simulator.kv_cache import PrefixCache
-from simulator.tiers import EventTokens
+from simulator.tiers import EventTokens, StoreOutbox
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,13 @@ def encode_batch(events: list[tuple[Any, ...]], encoding: str, block_size: int,
 class KvEventPublisher:
     """Drains one engine's cache events into one batch per engine step and publishes it.
 
+    With a shared store (simulator/tiers.py), the batch also carries the store's events about
+    the blocks this replica wrote first (its StoreOutbox), after the engine's own; a removal
+    another replica's write caused goes out right after that replica's step, with whatever
+    this engine has pending, rather than wait for this engine's next step. A block this
+    engine loaded from the store is reported on its GPU with the parent and token ids of the
+    replica that announced it (whose pending events are published first, so that it has them).
+
     Every batch takes the next sequence number (from 0) and joins the replay buffer; the
     drop switch (`drop(n)`) withholds the next n batches from PUB subscribers, and with
     `replayable=False` from the replay buffer too, so a subscriber sees a gap it cannot fill.
@@ -83,6 +90,8 @@ class KvEventPublisher:
         self._topic = options.topic.encode("utf-8")
         self._seq = 0
         self._tokens = EventTokens()
+        self._outbox: StoreOutbox | None = None
+        self._woken = False
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=options.buffer_steps)
         self._drop = 0
         self._replayable = True
@@ -117,11 +126,20 @@ class KvEventPublisher:
             await self.stop()
             raise OSError(f"cannot publish KV events on {self.host}: {exc}") from exc
         self.cache.events = []
+        tiers = self.cache.tiers
+        if tiers is not None and tiers.outbox is not None:
+            box = self._outbox = tiers.outbox
+            box.events.clear()  # a predecessor's, never published: its subscribers reset anyway
+            box.wake = self._wake
+            box.tokens = self._announced
         self._task = asyncio.get_running_loop().create_task(
             self._serve_replay(), name=f"kv-replay-{self.replay_port}")
 
     async def stop(self) -> None:
         self.cache.events = None
+        if self._outbox is not None:
+            self._outbox.wake = self._outbox.tokens = None
+            self._outbox = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -140,14 +158,48 @@ class KvEventPublisher:
         self._drop = batches
         self._replayable = replayable
 
+    def _wake(self) -> None:
+        """The shared store queued an event here from another replica's step: publish it once
+        that step is done (one batch however many it queues)."""
+        if not self._woken:
+            self._woken = True
+            asyncio.get_running_loop().call_soon(self._woken_flush)
+
+    def _woken_flush(self) -> None:
+        self._woken = False
+        self.flush()
+
+    def _announced(self, h: int) -> tuple[int | None, list[int]] | None:
+        """Parent and token ids of block `h`, which this replica announced to the shared store
+        (asked by a replica that loaded it); what is pending is published first."""
+        got = self._tokens.known(h)
+        if got is None:
+            self.flush()
+            got = self._tokens.known(h)
+        return got
+
+    def _from_store(self, h: int) -> tuple[int | None, list[int]] | None:
+        tiers = self.cache.tiers
+        owner = None if tiers is None or tiers.shared is None else tiers.shared.owner(h)
+        if owner is None or owner is self._outbox or owner.tokens is None:
+            return None
+        return owner.tokens(h)
+
     def flush(self) -> None:
         """Publish what the engine did since the last flush as one batch (nothing: no batch)."""
-        events = self.cache.events
-        if not events or self._pub is None:
+        events, box = self.cache.events, self._outbox
+        if events is None or self._pub is None:
+            return
+        if box is not None and box.events:  # after the engine's: BlockStored's tokens come first
+            events = events + box.events
+            box.events.clear()
+        if not events:
             return
         self.cache.events = []
         if self.cache.tiers is not None:  # tier events with the tokens vLLM's self-describing ones carry
-            events = self._tokens.expand(events, placeholders=self.options.tier_placeholders)
+            events = self._tokens.expand(
+                events, placeholders=self.options.tier_placeholders,
+                lookup=self._from_store if self._outbox is not None else None)
         payload = encode_batch(events, self.options.encoding, self.cache.block_size, time.time())
         seq = self._seq
         self._seq += 1

@@ -90,6 +90,11 @@ class _EngineCollector(Collector):
                 m = CounterMetricFamily(name, doc, labels=LABELS)
                 m.add_metric(lv, value)
                 yield m
+            if tiers.shared is not None:  # the pool's store: the same value on every replica
+                size = GaugeMetricFamily("vllm:shared_kv_store_blocks", "KV blocks the shared "
+                                         "store holds (all replicas').", labels=LABELS)
+                size.add_metric(lv, len(tiers.shared))
+                yield size
         if e.lora is not None and e.lora.series:  # absent until an adapter is used, as in vLLM
             lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                      labels=("max_lora", "running_lora_adapters",

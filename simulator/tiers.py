@@ -2,18 +2,20 @@
 
 The GPU prefix cache (simulator/kv_cache.py) spills the blocks it evicts to the host tier (LRU,
 `cpu_blocks`) and writes every block it computes through to the shared store when there is
-one (LMCache / Mooncake style; one in-process object all engines of a DES cluster share). A
-request's prefix found there is loaded instead of recomputed: the blocks come back to the GPU
-and the step pays tokens x bytes per token / the tier's bandwidth (`load_s`). Tier events go
-into the GPU cache's event list as ("tier_stored" | "tier_removed", medium, hash); the
-publisher turns them into vLLM's BlockStored / BlockRemoved with `medium` (EventTokens keeps
-the token ids a self-describing event carries). docs/tiers.md.
+one (LMCache / Mooncake style; one in-process object all engines of a DES cluster, or all
+replicas of an HTTP Fleet, share). A request's prefix found there is loaded instead of
+recomputed: the blocks come back to the GPU and the step pays tokens x bytes per token / the
+tier's bandwidth (`load_s`). Host tier events go into the GPU cache's event list, the shared
+store's into its own list (DES) or the writer's StoreOutbox (HTTP), as ("tier_stored" |
+"tier_removed", medium, hash); the publisher turns them into vLLM's BlockStored / BlockRemoved
+with `medium` (EventTokens keeps the token ids a self-describing event carries).
+docs/tiers.md.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,23 +63,62 @@ class LruBlocks:
         self.blocks.move_to_end(h)
 
 
+class StoreOutbox:
+    """The shared store's events about the blocks one replica wrote first: their BlockStored,
+    and their BlockRemoved when the store's LRU drops them, whichever replica's write pushed
+    them out (a gateway resolves a removed engine hash per replica, so the replica that
+    announced a block announces its end). The replica's publisher sends `events` after the
+    engine's own; `wake`, when set, asks it to publish soon (another replica queued one);
+    `tokens(h)`, when set, gives the parent and token ids of a block it announced, so that
+    another replica that loads the block can report it on its GPU with them."""
+
+    __slots__ = ("events", "tokens", "wake")
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.wake: Callable[[], None] | None = None
+        self.tokens: Callable[[int], tuple[int | None, list[int]] | None] | None = None
+
+
 class SharedStore(LruBlocks):
     """A pool-wide KV store: every engine writes through, any engine loads. Its events go to
-    `events` (the DES drains them as one publisher's)."""
+    `events` when that is a list (the DES bench drains it as one more publisher's), else to
+    the outbox of the replica that wrote the block first (none: not published)."""
 
     def __init__(self, capacity: int, gbps: float = SHARED_GBPS) -> None:
         super().__init__(capacity)
         self.gbps = gbps
         self.events: list[tuple[Any, ...]] | None = None
+        self._owner: dict[int, StoreOutbox] = {}  # block -> the outbox that announced it
 
-    def write(self, h: int) -> None:
+    def write(self, h: int, outbox: StoreOutbox | None = None) -> None:
         fresh = h not in self.blocks
         out = self.put(h)
+        if fresh:
+            if outbox is not None and self.events is None:
+                self._owner[h] = outbox
+            self._emit(("tier_stored", SHARED_MEDIUM, h), outbox, outbox)
+        if out is not None:
+            self._emit(("tier_removed", SHARED_MEDIUM, out), self._owner.pop(out, None), outbox)
+
+    def owner(self, h: int) -> StoreOutbox | None:
+        """The outbox of the replica that announced block `h` (None: nobody did)."""
+        return self._owner.get(h)
+
+    def _emit(self, event: tuple[Any, ...], owner: StoreOutbox | None,
+              writer: StoreOutbox | None) -> None:
         if self.events is not None:
-            if fresh:
-                self.events.append(("tier_stored", SHARED_MEDIUM, h))
-            if out is not None:
-                self.events.append(("tier_removed", SHARED_MEDIUM, out))
+            self.events.append(event)
+        elif owner is not None:
+            owner.events.append(event)
+            if owner is not writer and owner.wake is not None:
+                owner.wake()
+
+
+def shared_store(gb: float, *, bytes_per_token: float, block_size: int,
+                 gbps: float = SHARED_GBPS) -> SharedStore:
+    """A store of `gb` GB: as many blocks of the model's KV as fit (the host tier's sizing)."""
+    return SharedStore(int(gb * 1e9 / (bytes_per_token * block_size)), gbps)
 
 
 class Tiers:
@@ -87,6 +128,7 @@ class Tiers:
                  host_gbps: float = HOST_GBPS, shared: SharedStore | None = None) -> None:
         self.host = LruBlocks(host_blocks) if host_blocks > 0 else None
         self.shared = shared
+        self.outbox: StoreOutbox | None = None  # where this engine's shared-store events go
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token
         self.host_gbps = host_gbps
@@ -119,7 +161,7 @@ class Tiers:
     def computed(self, h: int) -> None:
         """The GPU computed block `h`: write it through to the shared store."""
         if self.shared is not None:
-            self.shared.write(h)
+            self.shared.write(h, self.outbox)
 
     def load(self, hashes: Sequence[int]) -> None:
         """Blocks about to be loaded to the GPU: price them (per tier) into the next step."""
@@ -154,11 +196,19 @@ class EventTokens:
     def __init__(self) -> None:
         self._info: dict[int, list[Any]] = {}
 
+    def known(self, h: int) -> tuple[int | None, list[int]] | None:
+        """The parent and token ids of a block this engine reported and still holds."""
+        entry = self._info.get(h)
+        return None if entry is None else (entry[0], entry[1])
+
     def expand(self, events: list[tuple[Any, ...]], *, placeholders: bool = False,
+               lookup: Callable[[int], tuple[int | None, list[int]] | None] | None = None,
                ) -> list[tuple[Any, ...]]:
         """The engine's events with tier events in the publisher's form: ("stored", [h],
         parent, tokens, medium) and ("removed", h, medium). Tokens unknown, or `placeholders`:
-        no tokens (vLLM's legacy offload events, which a router cannot place)."""
+        no tokens (vLLM's legacy offload events, which a router cannot place). `lookup(h)`:
+        parent and tokens of a block another engine computed (one loaded from the shared
+        store); without them a loaded block is not reported."""
         info = self._info
         out: list[tuple[Any, ...]] = []
         for e in events:
@@ -180,6 +230,10 @@ class EventTokens:
                 out.append(e)
             elif kind == "promoted":  # loaded back to the GPU: a GPU BlockStored
                 entry = info.get(e[1])
+                if entry is None and lookup is not None:
+                    got = lookup(e[1])
+                    if got is not None:
+                        entry = info[e[1]] = [got[0], got[1], 0]
                 if entry is not None:
                     entry[2] += 1
                     out.append(("stored", [e[1]], entry[0], entry[1]))
@@ -208,12 +262,16 @@ class EventTokens:
                 del self._info[h]
 
 
-def attach_shared(engines: Sequence[Any], shared: SharedStore) -> None:
-    """Give every engine of a DES cluster the same shared store (a host tier of none where
-    the engine has no `cpu_kv_gb`)."""
-    for e in engines:
+def attach_shared(engines: Sequence[Any], shared: SharedStore,
+                  outboxes: Sequence[StoreOutbox] | None = None) -> None:
+    """Give every engine (of a DES cluster, or a Fleet's replicas) the same shared store (a
+    host tier of none where the engine has no `cpu_kv_gb`); `outboxes[i]`: where engine i's
+    store events go (its publisher's), when the store keeps no `events` list of its own."""
+    for i, e in enumerate(engines):
         cache = e.cache
         if cache.tiers is None:
             bpt = e.config.perf.kv_bytes_per_token
             cache.tiers = Tiers(0, block_size=cache.block_size, bytes_per_token=bpt)
         cache.tiers.shared = shared
+        if outboxes is not None:
+            cache.tiers.outbox = outboxes[i]

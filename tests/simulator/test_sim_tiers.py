@@ -1,15 +1,19 @@
 """Simulator KV tiers: GPU evictions spill to host memory, a prefix found there loads (and
-the step pays the load), the shared store serves every replica, events carry the medium."""
+the step pays the load), the shared store serves every replica (in the DES and over HTTP),
+events carry the medium."""
 
 from __future__ import annotations
 
 import random
 
+import httpx
 import pytest
 
+from simulator.cli import fleet_from_args, parser
 from simulator.des import Cluster, RoundRobin, SimRequest, run
+from simulator.fleet import Fleet
 from simulator.kv_cache import PrefixCache
-from simulator.tiers import EventTokens, SharedStore, Tiers, attach_shared
+from simulator.tiers import EventTokens, SharedStore, StoreOutbox, Tiers, attach_shared
 
 BS = 16
 PROMPT = 2048  # 128 blocks
@@ -62,8 +66,9 @@ async def test_the_shared_store_serves_another_replica() -> None:
     assert res.records[1].cached_tokens == PROMPT - BS
     t1 = c.engines[1].cache.tiers
     assert t1 is not None and t1.counters.hit_tokens["shared"] == PROMPT - BS
-    assert t1.counters.load_s == pytest.approx((PROMPT - BS) * c.config.perf.kv_bytes_per_token
-                                               / 12.5e9)
+    assert t1.counters.load_s == pytest.approx(
+        (PROMPT - BS) * c.config.perf.kv_bytes_per_token / 12.5e9
+    )
 
 
 def test_spill_and_load_emit_tiered_events() -> None:
@@ -116,3 +121,68 @@ def test_the_publisher_encodes_the_medium(encoding: str) -> None:
     assert (got[1].token_ids, got[1].block_size, got[1].medium) == ([], 0, "CPU")  # placeholder
     assert got[2] == BlockRemoved([11], medium="CPU", group_idx=0 if encoding == "map" else None)
     assert isinstance(got[3], BlockStored) and got[3].medium == "GPU"
+
+
+def test_the_block_a_replica_announced_is_removed_by_it() -> None:
+    store = SharedStore(2)
+    mine, theirs = StoreOutbox(), StoreOutbox()
+    woken: list[str] = []
+    mine.wake = lambda: woken.append("mine")
+    store.write(1, mine)
+    store.write(2, theirs)
+    store.write(1, theirs)  # held already: no second announcement, 1 is now the most recent
+    store.write(3, theirs)  # pushes 2 out: theirs announced it, theirs removes it
+    store.write(4, theirs)  # pushes 1 out: mine announced it, so mine removes it and is woken
+    assert mine.events == [("tier_stored", "EXTERNAL", 1), ("tier_removed", "EXTERNAL", 1)]
+    assert theirs.events == [
+        ("tier_stored", "EXTERNAL", 2),
+        ("tier_stored", "EXTERNAL", 3),
+        ("tier_removed", "EXTERNAL", 2),
+        ("tier_stored", "EXTERNAL", 4),
+    ]
+    assert woken == ["mine"]
+
+
+def test_the_cli_sizes_the_shared_store_in_gb() -> None:
+    args = parser().parse_args(["--replicas", "2", "--shared-kv-gb", "2", "--shared-kv-gbps",
+                                "25"])  # fmt: skip
+    fleet = fleet_from_args(args)
+    assert fleet.shared is not None and fleet.shared.gbps == 25.0
+    bpt = fleet.config.perf.kv_bytes_per_token
+    assert fleet.shared.capacity == int(2e9 / (bpt * fleet.config.block_size))
+    assert fleet_from_args(parser().parse_args(["--replicas", "2"])).shared is None
+
+
+def tier_hits(metrics: str, tier: str) -> float:
+    line = next((x for x in metrics.splitlines()
+                 if x.startswith("vllm:prefix_cache_tier_hits_total{") and f'tier="{tier}"' in x),
+                None)  # fmt: skip
+    return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("shared_kv_gb", [1.0, None])
+async def test_an_http_replica_loads_what_another_computed(shared_kv_gb: float | None) -> None:
+    rng = random.Random(3)
+    text = " ".join(f"w{rng.randrange(10_000)}" for _ in range(1000))  # about 1.5K tokens
+    async with Fleet(n=2, speedup=1000.0, shared_kv_gb=shared_kv_gb) as fleet, \
+            httpx.AsyncClient(timeout=10) as h:  # fmt: skip
+        cached, shared_hits = [], []
+        for url in fleet.urls:  # replica 0 computes the prompt, then replica 1 gets it
+            before = tier_hits((await h.get(url + "/metrics")).text, "shared")
+            res = await h.post(
+                url + "/v1/completions",
+                json={"model": "qwen2.5-14b", "prompt": text, "max_tokens": 1},
+            )
+            assert res.status_code == 200
+            usage = res.json()["usage"]
+            cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+            metrics = (await h.get(url + "/metrics")).text
+            shared_hits.append(tier_hits(metrics, "shared") - before)
+        if shared_kv_gb is None:
+            assert cached == [0, 0] and shared_hits == [0, 0]
+            return
+        # replica 1 never saw it: every full block before the last token comes from the store
+        loaded = 16 * ((usage["prompt_tokens"] - 1) // 16)
+        assert cached == [0, loaded] and shared_hits == [0, loaded]
+        assert fleet.shared is not None and len(fleet.shared) * 16 >= loaded
+        assert "vllm:shared_kv_store_blocks{" in metrics
