@@ -6,7 +6,10 @@ unit in the discrete-event simulator with KV events on (bench/routing_routers.py
 PreciseDesRouter; tier events with self-describing tokens, simulator/tiers.py). Fleets:
 (a) GPU only, (b) GPU + a host tier per replica, (c) GPU + host + a pool-wide shared store.
 Routers: round robin, GPU-only-aware (`ttft`, tiers off: today's), tier-aware with fixed
-weights (Dynamo's 0.75 / 0.25 / 0.5), tier-aware in seconds (the TTFT scorer's load time).
+weights (Dynamo's 0.75 / 0.25 / 0.5), tier-aware in seconds (the TTFT scorer's load time, its
+tier rates learned from the TTFTs), and the same with bandwidths configured 10x too low
+(`tier_learned`: what learning recovers). The predicted-vs-served column is the pool's by-tier
+audit, fed by `Dispatch.finished` with the engine's cached tokens, as in the gateway.
 docs/tiers.md has the goal and a run.
 
     .venv/bin/python -m bench.tiers              # ~2 min
@@ -27,7 +30,6 @@ from typing import Any
 from bench.routing_routers import MODEL, DesRouter, PreciseDesRouter
 from prefix_index.chunking import scope_key
 from prefix_index.events import BlockRemoved, BlockStored, EventBatch, KvEventApplier
-from prefix_index.tiers import TierAudit
 from simulator.des import Cluster, ReplicaLoad, SimRequest, run
 from simulator.stats import percentile
 from simulator.tiers import EventTokens, SharedStore, attach_shared
@@ -35,8 +37,11 @@ from simulator.tiers import EventTokens, SharedStore, attach_shared
 N_REPLICAS = 4
 BLOCK = 16
 FLEETS = ("gpu", "gpu+host", "gpu+host+shared")
-ROUTERS = ("round_robin", "gpu_aware", "tier_weights", "tier_seconds")
-TIER_MODE = {"gpu_aware": "off", "tier_weights": "weights", "tier_seconds": "seconds"}
+ROUTERS = ("round_robin", "gpu_aware", "tier_weights", "tier_seconds", "tier_learned")
+TIER_MODE = {"gpu_aware": "off", "tier_weights": "weights", "tier_seconds": "seconds",
+             "tier_learned": "seconds"}  # fmt: skip
+# tier_learned's configured bandwidths: 10x below the simulator's (host 50 GB/s, store 12.5)
+WRONG_GBPS = {"cpu": 5.0, "disk": 0.7, "shared": 1.25}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +91,9 @@ def cluster(fleet: str, w: Workload, working_set: int) -> tuple[Cluster, SharedS
 class TierRouter(PreciseDesRouter):
     """PreciseDesRouter with tier events: each engine's events (and the shared store's, as
     one more publisher) pass EventTokens (self-describing CPU / EXTERNAL events) and the
-    gateway's KvEventApplier, which places them on the index's tiers. `audit`: predicted vs
-    served prefix tokens by tier."""
+    gateway's KvEventApplier, which places them on the index's tiers. A finished request
+    reports the engine's cached tokens to `Dispatch.finished`, which feeds the pool's by-tier
+    audit (`pool.audit`) and the scorer's tier rates, as the gateway's request path does."""
 
     def __init__(self, policy: Any, c: Cluster, store: SharedStore | None, label: str) -> None:
         self.label = label
@@ -99,8 +105,6 @@ class TierRouter(PreciseDesRouter):
         assert index is not None
         scope = scope_key(MODEL)
         self.store_applier = KvEventApplier(index, self.gw.chunker, lambda lora: scope, "store")  # type: ignore[arg-type]
-        self.audit = TierAudit()
-        self.tier_pred: dict[str, dict[str, int] | None] = {}
 
     async def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
         self.now = req.arrival_s
@@ -108,10 +112,7 @@ class TierRouter(PreciseDesRouter):
             await self._drain(engine.cache, applier)
         if self.store is not None:
             await self._drain(self.store, self.store_applier)
-        name = await DesRouter.route(self, req, view)
-        d = self.pending[req.id]
-        self.tier_pred[req.id] = d.tier_tokens()
-        return name
+        return await DesRouter.route(self, req, view)
 
     async def _drain(self, source: Any, applier: KvEventApplier) -> None:
         raw = source.events
@@ -130,8 +131,18 @@ class TierRouter(PreciseDesRouter):
         return self._event(e)
 
     async def on_finish(self, req: SimRequest, replica: int, record: Any) -> None:
-        self.audit.observe(self.predicted[req.id], self.tier_pred.pop(req.id), record.cached_tokens)
-        await super().on_finish(req, replica, record)
+        self.now = record.finish_s
+        d = self.pending.pop(req.id)
+        ttft = record.first_token_s - record.arrival_s
+        await d.finished(True, True, ttft, cached_tokens=record.cached_tokens)
+        d.done()
+
+    def learned_gbps(self) -> dict[str, float]:
+        """The bandwidths the ttft scorer prices the tiers at by the end (learned)."""
+        for scorer, _ in self.pool.policy.scorers:
+            if getattr(scorer, "tiers", None) == "seconds":
+                return dict(scorer.tier_gbps())  # type: ignore[attr-defined]
+        return {}
 
 
 def make_router(name: str, c: Cluster, store: SharedStore | None) -> Any:
@@ -139,6 +150,8 @@ def make_router(name: str, c: Cluster, store: SharedStore | None) -> Any:
         return DesRouter("round_robin", len(c.engines), label=name)
     ttft = {"weight": 1, "tiers": TIER_MODE[name],
             "kv_bytes_per_token": c.config.perf.kv_bytes_per_token}  # fmt: skip
+    if name == "tier_learned":
+        ttft["tier_gbps"] = WRONG_GBPS
     policy = {"scorers": {"ttft": ttft}, "picker": "max_score", "guard": False}
     return TierRouter(policy, c, store, name)
 
@@ -153,6 +166,7 @@ class Row:
     p50: float
     p99: float
     unserved: dict[str, int]
+    learned: dict[str, float]  # GB/s the router priced each tier at by the end (tier_seconds)
 
 
 async def one(fleet: str, name: str, w: Workload) -> Row:
@@ -167,18 +181,32 @@ async def one(fleet: str, name: str, w: Workload) -> Row:
         if e.cache.tiers is not None:
             for t in loaded:
                 loaded[t] += e.cache.tiers.counters.hit_tokens[t]
-    by_tier = {"gpu": (cached - sum(loaded.values())) / prompt,
-               **{t: n / prompt for t, n in loaded.items()}}
+    by_tier = {
+        "gpu": (cached - sum(loaded.values())) / prompt,
+        **{t: n / prompt for t, n in loaded.items()},
+    }
     ttfts = [r.ttft_s for r in res.records]
-    audit = getattr(router, "audit", None)
-    unserved = dict(audit.unserved) if audit is not None else {}
-    return Row(fleet, name, cached / prompt, by_tier, cached / prompt,
-               percentile(ttfts, 50), percentile(ttfts, 99), unserved)
+    tiered = isinstance(router, TierRouter)
+    unserved = dict(router.pool.audit.unserved) if tiered else {}
+    learned = router.learned_gbps() if tiered else {}
+    return Row(
+        fleet,
+        name,
+        cached / prompt,
+        by_tier,
+        cached / prompt,
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        unserved,
+        learned,
+    )
 
 
 def table(rows: list[Row]) -> str:
-    head = (f"{'fleet':17} {'router':13} {'hit':>5} {'gpu':>5} {'cpu':>5} {'shared':>6} "
-            f"{'saved':>6} {'TTFT p50':>9} {'TTFT p99':>9}  unserved predicted tokens")
+    head = (
+        f"{'fleet':17} {'router':13} {'hit':>5} {'gpu':>5} {'cpu':>5} {'shared':>6} "
+        f"{'saved':>6} {'TTFT p50':>9} {'TTFT p99':>9}  unserved predicted tokens"
+    )
     lines = [head]
     for r in rows:
         miss = " ".join(f"{t}={n}" for t, n in r.unserved.items() if n) or "-"
@@ -188,6 +216,17 @@ def table(rows: list[Row]) -> str:
             f"{r.p50:8.2f}s {r.p99:8.2f}s  {miss}"
         )
     return "\n".join(lines)
+
+
+def learned(rows: list[Row]) -> list[str]:
+    """The tier bandwidths each seconds-pricing router learned, where a tier served hits."""
+    out = []
+    for r in rows:
+        used = [t for t in ("cpu", "shared") if r.by_tier[t] > 0 and t in r.learned]
+        if r.learned and used:
+            got = " ".join(f"{t}={r.learned[t]:.1f}" for t in used)
+            out.append(f"learned GB/s {r.fleet:17} {r.router:13} {got}")
+    return out
 
 
 def goals(rows: list[Row]) -> list[str]:
@@ -201,9 +240,11 @@ def goals(rows: list[Row]) -> list[str]:
         best = min(mine, key=lambda r: r.p99)
         sec = next(r for r in mine if r.router == "tier_seconds")
         ok = best.router == "tier_seconds"
-        out.append(f"{fleet}: lowest p99 {best.router} ({best.p99:.2f}s) "
-                   f"{'MET' if ok else 'NOT MET'}; tier_seconds saves {sec.saved:.0%} at hit "
-                   f"{sec.hit:.2f} {'MET' if sec.saved >= 0.6 and sec.hit >= 0.8 else 'NOT MET'}")
+        out.append(
+            f"{fleet}: lowest p99 {best.router} ({best.p99:.2f}s) "
+            f"{'MET' if ok else 'NOT MET'}; tier_seconds saves {sec.saved:.0%} at hit "
+            f"{sec.hit:.2f} {'MET' if sec.saved >= 0.6 and sec.hit >= 0.8 else 'NOT MET'}"
+        )
     return out
 
 
@@ -217,21 +258,24 @@ async def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     w = Workload(seed=args.seed)
     if args.quick:
-        w = Workload(docs=16, doc_tokens=(4000, 6000), requests=80, rate=4.0, seed=args.seed,
-                     gpu_blocks=512)
+        w = Workload(
+            docs=16, doc_tokens=(4000, 6000), requests=80, rate=4.0, seed=args.seed, gpu_blocks=512
+        )
     if args.requests:
         w = replace(w, requests=args.requests)
     _, working_set = requests(w)
     gpu_total = N_REPLICAS * w.gpu_blocks * BLOCK
-    print(f"working set {working_set:,} tokens = {working_set / gpu_total:.1f}x the fleet's GPU KV "
-          f"({N_REPLICAS} x {w.gpu_blocks * BLOCK:,}); {w.requests} requests at {w.rate}/s")
+    print(
+        f"working set {working_set:,} tokens = {working_set / gpu_total:.1f}x the fleet's GPU KV "
+        f"({N_REPLICAS} x {w.gpu_blocks * BLOCK:,}); {w.requests} requests at {w.rate}/s"
+    )
     rows = []
     t0 = time.perf_counter()
     for fleet in args.fleets:
         for name in args.routers:
             rows.append(await one(fleet, name, w))
     print(table(rows))
-    for line in goals(rows):
+    for line in [*learned(rows), *goals(rows)]:
         print(line)
     print(f"({time.perf_counter() - t0:.0f} s)")
     return 0

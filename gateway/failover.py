@@ -134,7 +134,9 @@ class Failover:
                 ok = opened.status < 500 and fwd.outcome != "broken_mid_stream"
                 # the replica's own TTFT (sent -> first byte), not the client's: no queue time in it
                 ttft_s = (fwd.t_first - t_sent) / 1e9 if req.stream and fwd.status == 200 else None
-                await current.finished(ok, fwd.status == 200, ttft_s, f"upstream {fwd.outcome}")
+                await current.finished(
+                    ok, fwd.status == 200, ttft_s, f"upstream {fwd.outcome}", fwd.cached_tokens
+                )
                 return fwd
             finally:
                 current.done()

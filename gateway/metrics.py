@@ -8,7 +8,7 @@ for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from .admission import Admission
 from .replicas import CLOSED, HALF_OPEN, OPEN, ReplicaState
 from .tallies import CounterTally, HistogramTally, LabelCap, Tallies
+from .tier_metrics import TierCollector
 
 # LLM latencies span milliseconds (a cached short prompt) to minutes (a long generation)
 LATENCY_BUCKETS = (
@@ -152,6 +153,10 @@ class Metrics:
     def watch_tracing(self, sink: Callable[[], object]) -> None:
         """`sink()` gives the tracing's span sink (None when tracing is off)."""
         self.registry.register(_TracingCollector(sink))
+
+    def watch_tiers(self, pools: Callable[[], Mapping[str, Any]]) -> None:
+        """`pools()` gives the current pools: their by-tier audits and learned tier bandwidths."""
+        self.registry.register(TierCollector(pools))
 
     def watch_redis(self, parts: Callable[[], Iterable[tuple[str, object]]]) -> None:
         """`parts()` gives (component, store) pairs; one with a RedisHealth `health` is on Redis."""
@@ -304,8 +309,9 @@ class _IndexCollector(Collector):
         )
         for sub in subs:
             c = sub.applier.counts
-            for kind, n in (("stored", c.tier_stored), ("removed", c.tier_removed),
-                            ("placeholder", c.placeholder), ("unknown_medium", c.unknown_medium)):
+            kinds = (("stored", c.tier_stored), ("removed", c.tier_removed),
+                     ("placeholder", c.placeholder), ("unknown_medium", c.unknown_medium))  # fmt: skip
+            for kind, n in kinds:
                 tiers.add_metric([sub.replica, kind], n)
         yield tiers
 

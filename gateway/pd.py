@@ -328,14 +328,18 @@ class PdFlow:
         ).inc()
 
     async def _prefilled(self, leg: _Leg, p: Dispatch, opened: Opened, t0: int, t1: int) -> None:
-        p.prefilled()
-        await p.finished(True, True, (t1 - t0) / 1e9)
-        p.done()  # the prefill replica's part is over (its blocks wait for the transfer)
-        self.metrics.prefill.labels(leg.out.pool.name, p.replica.name).observe((t1 - t0) / 1e9)
         usage = opened.parsed.get("usage") if opened.parsed else None
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            leg.fwd.cached_tokens = details["cached_tokens"]  # the real prefix hit is the prefill's
+        got = details.get("cached_tokens") if isinstance(details, dict) else None
+        cached = got if isinstance(got, int) else None
+        if cached is not None:
+            leg.fwd.cached_tokens = cached  # the real prefix hit is the prefill's
+        p.prefilled()
+        # they audit the prefill set's prediction (docs/tiers.md); the decode leg's answer
+        # counts the KV it was handed, no prefix hit of its own: its dispatch gets none
+        await p.finished(True, True, (t1 - t0) / 1e9, cached_tokens=cached)
+        p.done()  # the prefill replica's part is over (its blocks wait for the transfer)
+        self.metrics.prefill.labels(leg.out.pool.name, p.replica.name).observe((t1 - t0) / 1e9)
 
     async def _deliver(
         self, leg: _Leg, d: Dispatch, opened: Opened, send: Send, t_sent: int

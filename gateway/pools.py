@@ -3,16 +3,18 @@
 A pool keeps the state of its replicas (`ReplicaState`: circuit, load, counters) across reloads
 and discovery: a replica that stays (same name and URL) keeps its state object, one that is new
 gets a fresh one. Building never touches a running replica: the new settings of kept replicas
-are returned as `updates`, applied only when the new snapshot is swapped in.
+are returned as `updates`, applied only when the new snapshot is swapped in. Its by-tier audit
+(predicted vs served prefix tokens, docs/tiers.md) carries over too, so its counters only grow.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from policies import Policy, build_policy
+from prefix_index.tiers import TierAudit
 
 from .config import Config, PoolConfig, ReplicaConfig
 from .replicas import ReplicaState
@@ -30,6 +32,8 @@ class Pool:
     by_name: Mapping[str, ReplicaState]
     dispatches: int = 0  # dispatches counted so far (a match older than the last is re-checked)
     pd: PdSets | None = None  # a disaggregated pool's two sets (its `replicas`: both, together)
+    # predicted vs served prefix tokens by tier, fed by Dispatch.finished (a P/D pool's: its sets')
+    audit: TierAudit = field(default_factory=TierAudit)
 
     def has_capacity(self) -> bool:
         """Some replica can take a request now (admission's gate; synchronous, cheap)."""
@@ -51,8 +55,9 @@ class Pool:
     def with_replicas(self, replicas: Iterable[ReplicaState]) -> Pool:
         """The same pool (config, policy and its learned state) over another replica set."""
         kept = tuple(replicas)
+        by_name = {r.name: r for r in kept}
         return Pool(
-            self.name, self.config, kept, self.policy, {r.name: r for r in kept}, self.dispatches
+            self.name, self.config, kept, self.policy, by_name, self.dispatches, audit=self.audit
         )
 
 
@@ -90,12 +95,18 @@ def build_pools(
             if prev is not None and prev.config.policy == pc.policy
             else build_policy(pc.policy, seed=i)
         )
-        pools[name] = Pool(name, pc, replicas, policy, {r.name: r for r in replicas})
+        audit = prev.audit if prev is not None and prev.pd is None else TierAudit()
+        pools[name] = Pool(name, pc, replicas, policy, {r.name: r for r in replicas}, audit=audit)
     return pools
 
 
 def pd_pool(
-    name: str, pc: PoolConfig, prev: Pool | None, on_change: OnChange, updates: list[Update], seed: int
+    name: str,
+    pc: PoolConfig,
+    prev: Pool | None,
+    on_change: OnChange,
+    updates: list[Update],
+    seed: int,
 ) -> Pool:
     """A disaggregated pool: a prefill and a decode pool (each with its set's settings), and the
     pool that holds both (what health, metrics and status iterate)."""
@@ -112,7 +123,8 @@ def pd_pool(
         replicas = replica_states(name, rpc, configs, old, on_change, updates)
         same = old is not None and old.config.policy == pc.policy
         policy = old.policy if same and old is not None else build_policy(pc.policy, seed=seed)
-        parts.append(Pool(name, rpc, replicas, policy, {r.name: r for r in replicas}))
+        audit = old.audit if old is not None else TierAudit()
+        parts.append(Pool(name, rpc, replicas, policy, {r.name: r for r in replicas}, audit=audit))
     return pd_whole(PdSets(pc.protocol or "vllm-nixl", parts[0], parts[1]), pc)
 
 

@@ -154,7 +154,7 @@ class Router:
             hits = routing.hits = self._recheck(pool, routing)
         get = hits.get
         routing.views = [r.view(get(r.name, 0), now) for r in pool.replicas]
-        tiers = getattr(self.index, "match_tiers", None)  # memory backend: docs/tiers.md
+        tiers = None if self.index is None else self.index.match_tiers  # docs/tiers.md
         if tiers is not None and routing.routed.block_hashes:
             routing.tiers = tiers(routing.routed.scope, routing.routed.block_hashes, hits)
             for v in routing.views:
@@ -252,10 +252,17 @@ class Dispatch:
         await self._unrecord()
 
     async def finished(
-        self, ok: bool, served: bool, ttft_s: float | None, why: str = ""
+        self,
+        ok: bool,
+        served: bool,
+        ttft_s: float | None,
+        why: str = "",
+        cached_tokens: int | None = None,
     ) -> None:
         """The answer ended. `ok`: the replica behaved (its breaker counts a success); `served`:
-        it answered 200, so it holds the prompt's blocks (else they leave the index)."""
+        it answered 200, so it holds the prompt's blocks (else they leave the index).
+        `cached_tokens`: the prefix hit it reported (None: it did not say); a served answer
+        with one feeds the pool's by-tier audit of what was predicted (docs/tiers.md)."""
         if self._settled:
             return
         self._settled = True
@@ -270,21 +277,25 @@ class Dispatch:
             await self.record()
         if ttft_s is not None:
             replica.observe_ttft(ttft_s)
-        v = self.view
-        self.pool.policy.observe(
-            Outcome(
-                replica.name,
-                self.routed.prompt_tokens,
-                self.hit_tokens,
-                v.load,
-                v.inflight_prompt_tokens,
-                ttft_s,
-                ok=ok,
-                session_key=self.routed.session_key,
-                adapter_load=self.adapter_load,
-                tier_tokens=self.tier_tokens(),
-            )
+        v, tiers = self.view, self.tier_tokens()
+        outcome = Outcome(
+            replica.name,
+            self.routed.prompt_tokens,
+            self.hit_tokens,
+            v.load,
+            v.inflight_prompt_tokens,
+            ttft_s,
+            ok=ok,
+            session_key=self.routed.session_key,
+            adapter_load=self.adapter_load,
+            tier_tokens=tiers,
+            cached_tokens=cached_tokens,
+            tokens_per_block=self.routed.tokens_per_block,
         )
+        self.pool.policy.observe(outcome)
+        cached = outcome.credited_cached_tokens()
+        if served and cached is not None and (self.hit_tokens or tiers):
+            self.pool.audit.observe(self.hit_tokens, tiers, cached)
 
     def tier_tokens(self) -> dict[str, int] | None:
         """Tokens this dispatch expects to load per lower tier (the view's `tier_hits`)."""

@@ -68,6 +68,7 @@ class Gateway:
             lambda: (("index", self.current.index), ("ratelimit", self.current.limiter))
         )
         self.metrics.watch_tracing(lambda: self.tracing.sink)
+        self.metrics.watch_tiers(lambda: self.pools)
 
     # --- the current snapshot's parts (read-only; a change is a new snapshot) --------------------
     @property

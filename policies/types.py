@@ -115,6 +115,29 @@ class Outcome:
     session_key: str | None = None  # the request's session_key, so affinity follows failover
     adapter_load: bool | None = None  # a LoRA adapter had to be loaded for it (None: no adapter)
     tier_tokens: Mapping[str, int] | None = None  # predicted tokens to load per lower tier
+    # the prefix tokens the replica reported served from cache (usage.prompt_tokens_details;
+    # P/D: the prefill leg's); None: it did not say
+    cached_tokens: int | None = None
+    tokens_per_block: float = 0.0  # the request's block in tokens (0: unknown)
+
+    def credited_cached_tokens(self) -> int | None:
+        """`cached_tokens`, plus the part of the prediction an engine never reports as cached:
+        the block that holds the prompt's last token (vLLM recomputes it for its logits), so a
+        prompt that hit in full is not read as a miss of one block. None: not reported."""
+        cached = self.cached_tokens
+        if cached is None:
+            return None
+        predicted = self.predicted_hit_tokens + sum((self.tier_tokens or {}).values())
+        tpb = self.tokens_per_block
+        reportable = (self.prompt_tokens - 1) // tpb * tpb if tpb > 0 else self.prompt_tokens
+        return cached + max(0, predicted - max(0, int(reportable)))
+
+    def served_in_full(self) -> bool:
+        """The replica reported serving every predicted prefix token (GPU hit and lower tiers);
+        False when it fell short or did not say."""
+        cached = self.credited_cached_tokens()
+        predicted = self.predicted_hit_tokens + sum((self.tier_tokens or {}).values())
+        return cached is not None and cached >= predicted
 
 
 @dataclass(slots=True)

@@ -28,12 +28,14 @@ pool's shared store; docs/tiers.md) are priced in seconds by default (`tiers: se
 are not recomputed but loaded, at tokens x `kv_bytes_per_token` / that tier's bandwidth
 (`tier_gbps`, GB/s). `tiers: weights` credits them as a fraction of a GPU hit instead
 (`tier_weights`, Dynamo's defaults: cpu 0.75, disk 0.25, shared 0.5), for comparison; `tiers:
-off` ignores them (GPU-only routing).
+off` ignores them (GPU-only routing). With `learn_tiers` (the default) the seconds per token of
+each tier are learned per pool from the TTFTs of requests whose replica served every predicted
+token, pulled toward `tier_gbps` (policies/scorers/tier_rates.py); `tier_gbps()` reads them.
 
     scorers:
       ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99,
              lora_load_s: 0.3, tiers: seconds, kv_bytes_per_token: 131072,
-             tier_gbps: {cpu: 50, disk: 7, shared: 12.5}}
+             tier_gbps: {cpu: 50, disk: 7, shared: 12.5}, learn_tiers: true}
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from collections.abc import Mapping, Sequence
 
 from policies.base import Scorer, SharedState
 from policies.scorers.lora import LoraCost
+from policies.scorers.ridge import solve3
+from policies.scorers.tier_rates import WIDTH as TIER_WIDTH
+from policies.scorers.tier_rates import TierRates
 from policies.types import Outcome, ReplicaView, RoutedRequest
 
 _KTOK = 1000.0  # the fit works in thousands of tokens, so the three features have similar scale
@@ -77,22 +82,7 @@ class _Fit:
         return [*self.xx, *self.xy, float(self.n)]
 
 
-_WIDTH = 10  # numbers a shared fit carries: xx (6), xy (3), n
-
-
-def _solve3(m: list[float], v: list[float]) -> tuple[float, float, float] | None:
-    """Solve the symmetric 3x3 system m x = v (m as upper triangle 00 01 02 11 12 22)."""
-    a, b, c, d, e, f = m
-    # cofactors of the symmetric matrix [[a b c] [b d e] [c e f]]
-    c00, c01, c02 = d * f - e * e, c * e - b * f, b * e - c * d
-    det = a * c00 + b * c01 + c * c02
-    if abs(det) < 1e-12:
-        return None
-    c11, c12, c22 = a * f - c * c, b * c - a * e, a * d - b * b
-    x0 = (c00 * v[0] + c01 * v[1] + c02 * v[2]) / det
-    x1 = (c01 * v[0] + c11 * v[1] + c12 * v[2]) / det
-    x2 = (c02 * v[0] + c12 * v[1] + c22 * v[2]) / det
-    return x0, x1, x2
+_WIDTH = 10  # numbers a shared fit carries: xx (6), xy (3), n; then a replica's tier sums
 
 
 class TTFTScorer(Scorer):
@@ -112,6 +102,7 @@ class TTFTScorer(Scorer):
         kv_bytes_per_token: float = KV_BYTES_PER_TOKEN,
         tier_gbps: Mapping[str, float] | None = None,
         tier_weights: Mapping[str, float] | None = None,
+        learn_tiers: bool = True,
     ) -> None:
         if not prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s!r}")
@@ -129,8 +120,13 @@ class TTFTScorer(Scorer):
         if not all(g > 0 for g in gbps.values()):
             raise ValueError(f"tier_gbps must be > 0, got {gbps!r}")
         self.tiers = tiers
-        # seconds per token loaded from each tier; or the GPU-hit share a tier's block is worth
-        self.load_s_per_token = {t: kv_bytes_per_token / (g * 1e9) for t, g in gbps.items()}
+        self.kv_bytes_per_token = float(kv_bytes_per_token)
+        self.learn_tiers = bool(learn_tiers) and tiers == "seconds"
+        # seconds per token loaded from each tier (learned, in place); or the GPU-hit share a
+        # tier's block is worth
+        prior_load = {t: kv_bytes_per_token / (g * 1e9) for t, g in gbps.items()}
+        self._tier_rates = TierRates(prior_load, float(prior_weight), float(decay))
+        self.load_s_per_token = self._tier_rates.rates
         self.tier_weights = {**TIER_WEIGHTS, **(tier_weights or {})}
         per_token = 1.0 / prefill_tokens_per_s
         self._prior_k = (float(base_s), per_token * _KTOK, per_token * _KTOK)  # per 1k tokens
@@ -146,6 +142,10 @@ class TTFTScorer(Scorer):
     def coefficients(self, replica: str) -> tuple[float, float, float]:
         """(a seconds, b seconds per uncached token, c seconds per queued token) for a replica."""
         return self._coef.get(replica, self._pooled)
+
+    def tier_gbps(self) -> dict[str, float]:
+        """The bandwidth each lower tier is priced at now, GB/s: learned, else `tier_gbps`."""
+        return self._tier_rates.gbps(self.kv_bytes_per_token)
 
     def predict(self, req: RoutedRequest, view: ReplicaView) -> float:
         """Predicted TTFT in seconds if `req` went to `view`."""
@@ -176,9 +176,7 @@ class TTFTScorer(Scorer):
         best = min(pred.values(), default=_FLOOR_S)
         return {name: best / t for name, t in pred.items()}
 
-    def _tiered(
-        self, hits: Mapping[str, int], uncached: float, tpb: float
-    ) -> tuple[float, float]:
+    def _tiered(self, hits: Mapping[str, int], uncached: float, tpb: float) -> tuple[float, float]:
         """(tokens still to recompute, seconds to load the rest) given lower-tier hits."""
         load = 0.0
         seconds = self.tiers == "seconds"
@@ -201,15 +199,22 @@ class TTFTScorer(Scorer):
                 oldest = next(iter(self._fits))
                 del self._fits[oldest]
                 self._coef.pop(oldest, None)
+                self._tier_rates.forget(oldest)
             fit = self._fits[outcome.replica] = _Fit()
         u = max(0, outcome.prompt_tokens - outcome.predicted_hit_tokens) / _KTOK
-        if outcome.tier_tokens and self.tiers == "seconds":  # loaded, not recomputed
-            per = self.load_s_per_token
-            u = max(0.0, u - sum(outcome.tier_tokens.values()) / _KTOK)
-            y = max(0.0, y - sum(n * per.get(t, 0.0) for t, n in outcome.tier_tokens.items()))
         q = max(0, outcome.queued_prompt_tokens_at_dispatch) / _KTOK
+        a, b, c = self._coef.get(outcome.replica, self._pooled)
+        tiers = outcome.tier_tokens if self.tiers == "seconds" else None
+        if tiers:  # loaded, not recomputed: the fit learns the prefill without the load time
+            u = max(0.0, u - sum(tiers.values()) / _KTOK)
+            if self.learn_tiers and outcome.served_in_full():  # else it hid some recompute
+                rest = y - (a + b * u * _KTOK + c * q * _KTOK)
+                if outcome.adapter_load:
+                    rest -= self.lora.load_s
+                self._tier_rates.learn(outcome.replica, tiers, rest)
+            per = self.load_s_per_token
+            y = max(0.0, y - sum(n * per.get(t, 0.0) for t, n in tiers.items()))
         if outcome.adapter_load:  # learn the load from the residual, fit the rest without it
-            a, b, c = self._coef.get(outcome.replica, self._pooled)
             self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK))
             y = max(0.0, y - self.lora.load_s)
         fit.add(u, q, y, self._decay)
@@ -217,25 +222,31 @@ class TTFTScorer(Scorer):
         self._pool()
 
     def share(self) -> SharedState:
-        """This process's decayed sums per replica (own observations only)."""
-        return {name: fit.numbers() for name, fit in self._fits.items()}
+        """This process's decayed sums per replica (own observations only): the prefill fit's,
+        followed by the replica's tier sums when it has any (a gateway from before tier
+        learning skips those entries, as it skips any width it does not know)."""
+        out = {}
+        for name, fit in self._fits.items():
+            tiers = self._tier_rates.own(name)
+            out[name] = fit.numbers() if tiers is None else fit.numbers() + tiers
+        return out
 
     def absorb(self, peers: Sequence[Mapping[str, Sequence[float]]]) -> None:
         """Take the other gateways' sums (each peer's `share`): the coefficients are refitted
         from own + peers' sums, so every gateway of the fleet predicts alike."""
         total: dict[str, list[float]] = {}
+        full = _WIDTH + TIER_WIDTH
         for peer in peers:
             for name, nums in peer.items():
-                if len(nums) != _WIDTH or not all(math.isfinite(x) for x in nums):
+                if len(nums) not in (_WIDTH, full) or not all(math.isfinite(x) for x in nums):
                     continue  # not a fit this version sends
                 if name not in total and len(total) >= _MAX_REPLICAS:
                     continue
-                acc = total.get(name)
-                if acc is None:
-                    total[name] = [float(x) for x in nums]
-                else:
-                    for i, x in enumerate(nums):
-                        acc[i] += float(x)
+                acc = total.setdefault(name, [0.0] * full)
+                for i, x in enumerate(nums):
+                    acc[i] += float(x)
+        self._tier_rates.absorb({n: v[_WIDTH:] for n, v in total.items() if v[-1] > 0})
+        total = {name: v[:_WIDTH] for name, v in total.items()}
         if total == self._peer:
             return
         self._peer = total
@@ -273,6 +284,6 @@ class TTFTScorer(Scorer):
         m[3] += w
         m[5] += w
         v = [xy[0] + w * p[0], xy[1] + w * p[1], xy[2] + w * p[2]]
-        theta = _solve3(m, v) or p
+        theta = solve3(m, v) or p
         a, b, c = (max(0.0, x) for x in theta)
         return a, b / _KTOK, c / _KTOK

@@ -1,5 +1,6 @@
-"""bench/tiers.py in small: the fleets and routers run, tier hits show where they should, and
-a predicted CPU hit the replica does not serve is counted."""
+"""bench/tiers.py in small: the fleets and routers run, tier hits show where they should, a
+predicted CPU hit the replica does not serve is counted (by the pool's audit, through
+Dispatch.finished), and a host-tier bandwidth configured 10x too low is learned back."""
 
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ async def test_tier_seconds_uses_the_host_tier_and_beats_round_robin() -> None:
     assert "tier_seconds" in bt.table([gpu, host, rr, shared])
 
 
+async def test_a_host_bandwidth_configured_ten_times_too_low_is_learned_back() -> None:
+    row = await bt.one("gpu+host", "tier_learned", QUICK)
+    assert bt.WRONG_GBPS["cpu"] == 5.0 and row.by_tier["cpu"] > 0.1
+    assert row.learned["cpu"] > 25  # the simulator's host tier: 50 GB/s
+    assert any(line.startswith("learned GB/s") for line in bt.learned([row]))
+
+
 async def test_a_predicted_cpu_hit_not_served_is_counted() -> None:
     w = bt.Workload(docs=1, requests=1, gpu_blocks=512, doc_tokens=(4000, 4000))
     reqs, ws = bt.requests(w)
@@ -48,7 +56,7 @@ async def test_a_predicted_cpu_hit_not_served_is_counted() -> None:
     assert host is not None and host.host is not None and len(host.host) > 0
     host.host.blocks.clear()
     await run([SimRequest("again", 100.0, doc[:-16] + [7] * 16, 1)], c, _Pinned(router, 0))
-    audit: TierAudit = router.audit
+    audit: TierAudit = router.pool.audit
     assert audit.predicted["cpu"] > 3000
     assert audit.unserved["cpu"] == audit.predicted["cpu"] and audit.requests_short == 1
 

@@ -1,6 +1,10 @@
-"""The TTFT scorer's tier pricing: lower-tier hits in seconds, fixed weights, or ignored."""
+"""The TTFT scorer's tier pricing: lower-tier hits in seconds, fixed weights, or ignored; and the
+tier rates it learns from TTFTs."""
 
 from __future__ import annotations
+
+import random
+from dataclasses import replace
 
 import pytest
 
@@ -96,3 +100,92 @@ def test_prefix_scorer_weighs_tiers_only_when_told() -> None:
     assert weighted == {"a": pytest.approx(0.6), "b": 0.0}  # (2 + 0.8 x 5) / 10; shared: 0
     with pytest.raises(ValueError, match="tier weights"):
         PrefixScorer(tiers={"cpu": 2.0})
+
+
+# --- tier rates learned from TTFTs (policies/scorers/tier_rates.py) ----------------------------
+
+TRUE_CPU_S = 131072 / 50e9  # the host tier really loads at 50 GB/s
+
+
+def truth(recomputed: int, cpu: int) -> float:
+    return 0.05 + recomputed / 8000 + cpu * TRUE_CPU_S
+
+
+def outcomes(n: int, seed: int = 1, short: bool = False) -> list[Outcome]:
+    """Outcomes of a fleet whose host tier loads at 50 GB/s: GPU-only ones and ones with part of
+    the prompt on the host tier. `short`: the replica lost the host copy and recomputed it."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        cpu = rng.randrange(16_000, 120_000, TPB) if i % 2 else 0
+        gpu = rng.randrange(0, PROMPT - cpu + 1, TPB)
+        recomputed = PROMPT - gpu - (0 if short else cpu)
+        out.append(Outcome(
+            "ab"[i % 3 == 0], PROMPT, gpu, 0, 0, truth(recomputed, 0 if short else cpu),
+            tier_tokens={"cpu": cpu} if cpu else None,
+            cached_tokens=gpu if short else gpu + cpu, tokens_per_block=TPB,
+        ))  # fmt: skip
+    return out
+
+
+def host_or_recompute(s: TTFTScorer) -> str:
+    """The pick between the whole prompt on an idle replica's host tier (0.39 s at 50 GB/s, 3.4 s
+    at 5) and 16K tokens to recompute after a GPU hit (2.05 s)."""
+    views = [ReplicaView("a", tier_hits={"cpu": 8000}), ReplicaView("b", hit_blocks=7000)]
+    scores = s.score(req(), views)
+    return max(scores, key=scores.__getitem__)
+
+
+def test_learning_recovers_the_true_tier_rate_from_a_prior_ten_times_off() -> None:
+    s = scorer(tier_gbps={"cpu": 5})
+    assert host_or_recompute(s) == "b"  # the wrong prior prices the host tier out
+    for o in outcomes(300):
+        s.observe(o)
+    assert s.tier_gbps()["cpu"] == pytest.approx(50, rel=0.1)
+    assert s.load_s_per_token["cpu"] == pytest.approx(TRUE_CPU_S, rel=0.1)
+    assert host_or_recompute(s) == "a"  # as the truth ranks them
+    assert s.tier_gbps()["disk"] == pytest.approx(7)  # never observed: the prior
+    a, b, _c = s.coefficients("a")  # the prefill fit still measures the prefill alone
+    assert a == pytest.approx(0.05, abs=0.02) and b == pytest.approx(1 / 8000, rel=0.05)
+
+
+def test_outcomes_that_fell_short_or_did_not_say_teach_no_rate() -> None:
+    s = scorer(tier_gbps={"cpu": 5})
+    for o in outcomes(200, short=True):
+        s.observe(o)
+    for o in outcomes(200):
+        s.observe(replace(o, cached_tokens=None))
+    assert s.tier_gbps()["cpu"] == pytest.approx(5)
+    off = scorer(tier_gbps={"cpu": 5}, learn_tiers=False)
+    for o in outcomes(100):
+        off.observe(o)
+    assert off.tier_gbps()["cpu"] == pytest.approx(5)
+
+
+def test_a_full_hit_is_served_though_the_engine_recomputes_the_last_block() -> None:
+    full = Outcome("a", 1024, 512, 0, 0, 0.1, tier_tokens={"cpu": 512}, cached_tokens=1008,
+                   tokens_per_block=TPB)  # fmt: skip
+    assert full.served_in_full() and full.credited_cached_tokens() == 1024
+    assert not replace(full, cached_tokens=992).served_in_full()
+    assert not replace(full, cached_tokens=None).served_in_full()
+
+
+def test_shared_tier_sums_make_two_gateways_agree() -> None:
+    one, two = scorer(tier_gbps={"cpu": 5}), scorer(tier_gbps={"cpu": 5})
+    seen = outcomes(300)
+    for o in seen[:150]:
+        one.observe(o)
+    for o in seen[150:]:
+        two.observe(o)
+    shared_one, shared_two = one.share(), two.share()
+    assert all(len(v) == 20 for v in shared_one.values())  # prefill fit + tier sums
+    # a gateway from before tier learning sends 10 numbers; junk widths are skipped
+    one.absorb([shared_two, {"c": [1.0] * 7}])
+    two.absorb([shared_one])
+    assert one.tier_gbps() == pytest.approx(two.tier_gbps())
+    assert one.tier_gbps()["cpu"] == pytest.approx(50, rel=0.1)
+    assert one.coefficients("a") == pytest.approx(two.coefficients("a"))
+    old = scorer(tier_gbps={"cpu": 5})
+    old.absorb([{n: v[:10] for n, v in shared_one.items()}])  # fits only: no tier rate moves
+    assert old.tier_gbps()["cpu"] == pytest.approx(5)
+    assert old.coefficients("a") != old.prior
