@@ -256,11 +256,12 @@ class _IndexCollector(Collector):
                 "Blocks the prefix index holds per replica, by source (routed: learned from routing; engine: reported by KV events).",
                 labels=["replica", "source"],
             )
-            for replica, n in st.blocks_per_replica.items():
+            for replica, n in st.blocks_per_replica.items():  # redis: in Redis, not here
                 blocks.add_metric([replica, "routed"], n)
-            for replica, n in getattr(st, "engine_blocks_per_replica", {}).items():
+            for replica, n in st.engine_blocks_per_replica.items():
                 blocks.add_metric([replica, "engine"], n)
             yield blocks
+        if st is not None and st.backend == "memory":  # redis: its figures need a round trip
             yield GaugeMetricFamily(
                 "gateway_index_bytes",
                 "Memory the prefix index takes (estimate).",

@@ -90,6 +90,13 @@ class LocalEntries(EngineEventSink):
                 answer[name] = depth
         return answer
 
+    def stats_now(self) -> IndexStats | None:
+        """The part known without a round trip, for a metrics scrape: this gateway's engine
+        entries (None before an engine reported; the routed figures need Redis: `stats`)."""
+        if not self._engine_fed:
+            return None
+        return self._engine_stats(IndexStats(backend="redis"))
+
     def _engine_stats(self, stats: IndexStats) -> IndexStats:
         """`stats` with the engine_* fields of this gateway's engine entries."""
         if not self._engine_fed:

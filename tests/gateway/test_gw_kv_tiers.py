@@ -116,6 +116,9 @@ async def test_a_prompt_on_a_cpu_tier_is_routed_there_with_the_redis_index(
                 tiers = index.match_tiers(scope, hashes, gpu)
                 assert names[0] not in tiers and tiers[names[1]][CPU] > gpu[names[1]]
                 assert (await index.stats()).engine_blocks_per_replica.get(names[1], 0) > 0
+                scraped = (await h.get(gw.url + "/metrics")).text  # the engine's, held here
+                assert f'gateway_index_blocks{{replica="{names[1]}",source="engine"}}' in scraped
+                assert "gateway_index_bytes" not in scraped  # redis: its figures need Redis
                 # through the gateway: to the replica whose host tier holds the prompt
                 res = await h.post(
                     gw.url + "/v1/completions",
