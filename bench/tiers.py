@@ -6,10 +6,13 @@ unit in the discrete-event simulator with KV events on (bench/routing_routers.py
 PreciseDesRouter; tier events with self-describing tokens, simulator/tiers.py). Fleets:
 (a) GPU only, (b) GPU + a host tier per replica, (c) GPU + host + a pool-wide shared store.
 Routers: round robin, GPU-only-aware (`ttft`, tiers off: today's), tier-aware with fixed
-weights (Dynamo's 0.75 / 0.25 / 0.5), tier-aware in seconds (the TTFT scorer's load time, its
-tier rates learned from the TTFTs), and the same with bandwidths configured 10x too low
-(`tier_learned`: what learning recovers). The predicted-vs-served column is the pool's by-tier
-audit, fed by `Dispatch.finished` with the engine's cached tokens, as in the gateway.
+weights (Dynamo's 0.75 / 0.25 / 0.5), tier-aware in seconds (the TTFT scorer's load time, each
+tier priced at the rate the replica's engine measured, else `tier_gbps`), and the same with
+bandwidths configured 10x too low (`tier_learned`: what the engine's measurement recovers).
+Each DES scrape renders the engine's `/metrics` (simulator/metrics.py) and parses it with the
+gateway's parser into the replica's state, as the gateway's scrape loop does, so the measured
+rates reach the views on the production path. The predicted-vs-served column is the pool's
+by-tier audit, fed by `Dispatch.finished` with the engine's cached tokens, as in the gateway.
 docs/tiers.md has the goal and a run.
 
     .venv/bin/python -m bench.tiers              # ~2 min
@@ -28,9 +31,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.routing_routers import MODEL, DesRouter, PreciseDesRouter
+from gateway.scrape import parse_metrics
+from gateway.tier_metrics import measured_gbps
 from prefix_index.chunking import scope_key
 from prefix_index.events import BlockRemoved, BlockStored, EventBatch, KvEventApplier
 from simulator.des import Cluster, ReplicaLoad, SimRequest, run
+from simulator.metrics import ReplicaMetrics
 from simulator.stats import percentile
 from simulator.tiers import EventTokens, SharedStore, attach_shared
 
@@ -93,7 +99,8 @@ class TierRouter(PreciseDesRouter):
     one more publisher) pass EventTokens (self-describing CPU / EXTERNAL events) and the
     gateway's KvEventApplier, which places them on the index's tiers. A finished request
     reports the engine's cached tokens to `Dispatch.finished`, which feeds the pool's by-tier
-    audit (`pool.audit`) and the scorer's tier rates, as the gateway's request path does."""
+    audit (`pool.audit`) and the scorer, as the gateway's request path does. A scrape is the
+    engine's `/metrics` text through the gateway's parser (`ReplicaState.took_sample`)."""
 
     def __init__(self, policy: Any, c: Cluster, store: SharedStore | None, label: str) -> None:
         self.label = label
@@ -105,6 +112,17 @@ class TierRouter(PreciseDesRouter):
         assert index is not None
         scope = scope_key(MODEL)
         self.store_applier = KvEventApplier(index, self.gw.chunker, lambda lora: scope, "store")  # type: ignore[arg-type]
+        self.metrics = [ReplicaMetrics(e, MODEL) for e in c.engines]
+
+    def _scraped(self, view: Sequence[ReplicaLoad]) -> None:
+        for load in view:
+            r = self.replicas[load.index]
+            if r.scraped is None or r.scraped_at != load.scraped_at_s:
+                sample = parse_metrics(self.metrics[load.index].render().decode())
+                # the queue as of the scrape's time (the DES snapshot), the counters as of now
+                sample.waiting, sample.running = load.waiting, load.running
+                sample.kv_usage = load.kv_usage
+                r.took_sample(sample, load.scraped_at_s)
 
     async def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
         self.now = req.arrival_s
@@ -137,12 +155,23 @@ class TierRouter(PreciseDesRouter):
         await d.finished(True, True, ttft, cached_tokens=record.cached_tokens)
         d.done()
 
-    def learned_gbps(self) -> dict[str, float]:
-        """The bandwidths the ttft scorer prices the tiers at by the end (learned)."""
+    def learned_gbps(self) -> tuple[dict[str, float], dict[str, str]]:
+        """The bandwidths the ttft scorer prices the tiers at by the end, and where each comes
+        from: `engine` (the replicas' measured rates, their mean), else `ttft` (learned from
+        TTFTs) or `config` (tier_gbps)."""
         for scorer, _ in self.pool.policy.scorers:
             if getattr(scorer, "tiers", None) == "seconds":
-                return dict(scorer.tier_gbps())  # type: ignore[attr-defined]
-        return {}
+                kvb = scorer.kv_bytes_per_token  # type: ignore[attr-defined]
+                got = dict(scorer.tier_gbps())  # type: ignore[attr-defined]
+                src = dict.fromkeys(got, "ttft" if scorer.learn_tiers else "config")  # type: ignore[attr-defined]
+                seen: dict[str, list[float]] = {}
+                for r in self.replicas:
+                    for tier, g in measured_gbps(r.tier_load.rates, kvb).items():
+                        seen.setdefault(tier, []).append(g)
+                for tier, gs in seen.items():
+                    got[tier], src[tier] = sum(gs) / len(gs), "engine"
+                return got, src
+        return {}, {}
 
 
 def make_router(name: str, c: Cluster, store: SharedStore | None) -> Any:
@@ -167,6 +196,7 @@ class Row:
     p99: float
     unserved: dict[str, int]
     learned: dict[str, float]  # GB/s the router priced each tier at by the end (tier_seconds)
+    source: dict[str, str]  # where each of those came from: engine, ttft or config
 
 
 async def one(fleet: str, name: str, w: Workload) -> Row:
@@ -188,7 +218,7 @@ async def one(fleet: str, name: str, w: Workload) -> Row:
     ttfts = [r.ttft_s for r in res.records]
     tiered = isinstance(router, TierRouter)
     unserved = dict(router.pool.audit.unserved) if tiered else {}
-    learned = router.learned_gbps() if tiered else {}
+    learned, source = router.learned_gbps() if tiered else ({}, {})
     return Row(
         fleet,
         name,
@@ -199,6 +229,7 @@ async def one(fleet: str, name: str, w: Workload) -> Row:
         percentile(ttfts, 99),
         unserved,
         learned,
+        source,
     )
 
 
@@ -219,12 +250,14 @@ def table(rows: list[Row]) -> str:
 
 
 def learned(rows: list[Row]) -> list[str]:
-    """The tier bandwidths each seconds-pricing router learned, where a tier served hits."""
+    """The tier bandwidths each seconds-pricing router priced at by the end, and their source
+    (engine: measured by the replicas; ttft: learned from TTFTs; config), where a tier served
+    hits."""
     out = []
     for r in rows:
         used = [t for t in ("cpu", "shared") if r.by_tier[t] > 0 and t in r.learned]
         if r.learned and used:
-            got = " ".join(f"{t}={r.learned[t]:.1f}" for t in used)
+            got = " ".join(f"{t}={r.learned[t]:.1f} ({r.source.get(t, '?')})" for t in used)
             out.append(f"learned GB/s {r.fleet:17} {r.router:13} {got}")
     return out
 

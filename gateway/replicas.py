@@ -19,6 +19,7 @@ from .config import HealthConfig, PoolConfig, ReplicaConfig, ScrapeConfig
 from .control_client import CONTROL_ERRORS, ControlClient, fetch, status_of
 from .lora import LORA_INFO, ReplicaAdapters, parse_lora_info, refresh_models
 from .scrape import LoadSample, parse_metrics
+from .tier_load import TierLoadMeter
 
 log = logging.getLogger("gateway.replicas")
 
@@ -83,6 +84,7 @@ class ReplicaState:
     peer_placed_blocks: int = 0
     scraped: LoadSample | None = None
     scraped_at: float = 0.0
+    tier_load: TierLoadMeter = field(default_factory=TierLoadMeter)  # its tiers' measured rates
     engine_kv: tuple[int, int] | None = None  # (block size, KV tokens) the engine last reported
     ttft_ewma_s: float | None = None
     served_models: frozenset[str] = frozenset()  # from the replica's /v1/models
@@ -165,7 +167,13 @@ class ReplicaState:
             ttft_ewma_s=self.ttft_ewma_s,
             placed_blocks=self.placed_blocks + self.peer_placed_blocks,
             lora=lora.view() if (lora := self.lora).served or lora.managed else None,
+            tier_load_rates=self.tier_load.rates,  # kept fresh by each scrape, not stale-gated
         )
+
+    def took_sample(self, sample: LoadSample, now: float) -> None:
+        """A scrape's load (fresh until `stale_after_s`) and the engine's tier load counters."""
+        self.scraped, self.scraped_at = sample, now
+        self.tier_load.update(sample)
 
     def has_slot(self) -> bool:
         """Below `max_inflight` counting every gateway's requests (own + peers' last tick)."""
@@ -277,7 +285,7 @@ class ReplicaMonitor:
             log.info("replica %s: metrics scrape recovered", r.name)
             self._scrape_failing = False
         sample = parse_metrics(text)
-        r.scraped, r.scraped_at = sample, time.monotonic()
+        r.took_sample(sample, time.monotonic())
         if LORA_INFO in text:  # adapters in flight, by the newest series (gateway/lora.py)
             info = parse_lora_info(text)
             if info is not None:

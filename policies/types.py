@@ -92,6 +92,11 @@ class ReplicaView:
     # blocks after `hit_blocks` its lower KV tiers hold, by tier ("cpu", "disk", "shared"):
     # loadable instead of recomputed (docs/tiers.md); None: no tier knowledge
     tier_hits: Mapping[str, int] | None = None
+    # what its engine measured of its loads from each lower tier (gateway/tier_load.py): tier ->
+    # (seconds per byte, seconds per token), one of them 0; n tokens load in
+    # n x (kv_bytes_per_token x first + second) seconds. vLLM's transfer counters give seconds
+    # per byte, LMCache's store seconds per token. None: the engine reports no such load
+    tier_load_rates: Mapping[str, tuple[float, float]] | None = None
 
     @property
     def load(self) -> int:

@@ -8,13 +8,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from simulator.engine import Engine, StepResult
+from simulator.tiers import TierCounters
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LABELS = ("model_name", "engine")
+LMCACHE_LABELS = ("model_name", "worker_id")  # LMCache's own (lmcache/observability.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -81,15 +88,8 @@ class _EngineCollector(Collector):
             for tier in ("cpu", "shared"):
                 hits.add_metric([*lv, tier], tiers.counters.hit_tokens[tier])
             yield hits
-            for name, doc, value in (
-                ("vllm:kv_offload_total_bytes", "Bytes offloaded from GPU to the CPU tier.",
-                 tiers.counters.offload_bytes),
-                ("vllm:kv_offload_total_time", "Seconds spent loading KV from lower tiers.",
-                 tiers.counters.load_s),
-            ):
-                m = CounterMetricFamily(name, doc, labels=LABELS)
-                m.add_metric(lv, value)
-                yield m
+            yield from _transfers(tiers.counters, lv, tiers.host is not None,
+                                  tiers.shared is not None)
             if tiers.shared is not None:  # the pool's store: the same value on every replica
                 size = GaugeMetricFamily("vllm:shared_kv_store_blocks", "KV blocks the shared "
                                          "store holds (all replicas').", labels=LABELS)
@@ -103,6 +103,35 @@ class _EngineCollector(Collector):
                 lora.add_metric([labels["max_lora"], labels["running_lora_adapters"],
                                  labels["waiting_lora_adapters"]], stamp)
             yield lora
+
+
+def _transfers(c: TierCounters, lv: list[str], host: bool, shared: bool) -> Iterator[Metric]:
+    """What the engines count of their tier transfers. vLLM's OffloadingConnector: bytes and
+    seconds per `transfer_type`, `gpu_to_cpu` for spills (at the host bandwidth) and
+    `cpu_to_gpu` for loads from the host tier. LMCache, for the shared store: the tokens it
+    served and its retrieve time (a histogram; one bucket, +Inf, is enough for its _sum/_count)."""
+    if host:
+        for name, doc, spilled, loaded in (
+            ("vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector",
+             c.offload_bytes, c.load_bytes["cpu"]),
+            ("vllm:kv_offload_total_time", "Total time measured by all KV offloading operations",
+             c.offload_s, c.load_s["cpu"]),
+        ):
+            m = CounterMetricFamily(name, doc, labels=(*LABELS, "transfer_type"))
+            m.add_metric([*lv, "gpu_to_cpu"], spilled)
+            m.add_metric([*lv, "cpu_to_gpu"], loaded)
+            yield m
+    if shared:
+        worker = [lv[0], lv[1]]
+        hits = CounterMetricFamily("lmcache:num_hit_tokens", "Number of hit tokens",
+                                   labels=LMCACHE_LABELS)
+        hits.add_metric(worker, c.hit_tokens["shared"])
+        yield hits
+        retrieve = HistogramMetricFamily("lmcache:time_to_retrieve",
+                                         "Time to retrieve from lmcache (seconds)",
+                                         labels=LMCACHE_LABELS)
+        retrieve.add_metric(worker, [("+Inf", c.retrievals)], c.load_s["shared"])
+        yield retrieve
 
 
 class ReplicaMetrics:

@@ -27,12 +27,17 @@ SHARED_GBPS = 12.5  # a 100 Gb/s link to the store
 
 @dataclass(slots=True)
 class TierCounters:
-    """Tokens each tier served (hits) and what loading them cost."""
+    """Tokens each tier served (hits) and what loading them cost, by tier, as the engines count
+    them on /metrics (simulator/metrics.py): vLLM's kv_offload bytes and seconds per transfer
+    direction for the host tier, LMCache's hit tokens and retrieve time for the shared store."""
 
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "cpu": 0, "shared": 0})
-    load_s: float = 0.0
+    load_bytes: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "shared": 0})
+    load_s: dict[str, float] = field(default_factory=lambda: {"cpu": 0.0, "shared": 0.0})
+    retrievals: int = 0  # loads that took blocks from the shared store (LMCache's retrieves)
     spilled: int = 0  # blocks the GPU evicted into the host tier
-    offload_bytes: int = 0
+    offload_bytes: int = 0  # their bytes (gpu_to_cpu)
+    offload_s: float = 0.0  # the time those spills take at the host bandwidth
 
 
 class LruBlocks:
@@ -151,7 +156,9 @@ class Tiers:
         out = host.put(h)
         c = self.counters
         c.spilled += 1
-        c.offload_bytes += int(self.block_size * self.bytes_per_token)
+        size = int(self.block_size * self.bytes_per_token)
+        c.offload_bytes += size
+        c.offload_s += size / (self.host_gbps * 1e9)
         if events is not None:
             if fresh:
                 events.append(("tier_stored", CPU_MEDIUM, h))
@@ -166,7 +173,9 @@ class Tiers:
     def load(self, hashes: Sequence[int]) -> None:
         """Blocks about to be loaded to the GPU: price them (per tier) into the next step."""
         per_block = self.block_size * self.bytes_per_token
+        size = int(per_block)
         c = self.counters
+        retrieved = False
         for h in hashes:
             tier = self.where(h)
             if tier == "cpu":
@@ -177,15 +186,19 @@ class Tiers:
                 assert self.shared is not None
                 self.shared.touch(h)
                 gbps = self.shared.gbps
+                retrieved = True
             else:
                 continue
             c.hit_tokens[tier] += self.block_size
-            self.pending_s += per_block / (gbps * 1e9)
+            t = per_block / (gbps * 1e9)
+            c.load_bytes[tier] += size
+            c.load_s[tier] += t
+            self.pending_s += t
+        c.retrievals += retrieved
 
     def take_load_s(self) -> float:
         """The load time of the blocks loaded since the last call (the step's stall)."""
         t, self.pending_s = self.pending_s, 0.0
-        self.counters.load_s += t
         return t
 
 

@@ -28,14 +28,19 @@ pool's shared store; docs/tiers.md) are priced in seconds by default (`tiers: se
 are not recomputed but loaded, at tokens x `kv_bytes_per_token` / that tier's bandwidth
 (`tier_gbps`, GB/s). `tiers: weights` credits them as a fraction of a GPU hit instead
 (`tier_weights`, Dynamo's defaults: cpu 0.75, disk 0.25, shared 0.5), for comparison; `tiers:
-off` ignores them (GPU-only routing). With `learn_tiers` (the default) the seconds per token of
-each tier are learned per pool from the TTFTs of requests whose replica served every predicted
-token, pulled toward `tier_gbps` (policies/scorers/tier_rates.py); `tier_gbps()` reads them.
+off` ignores them (GPU-only routing). A tier's seconds per token on a replica are, first, what
+its engine measured (`ReplicaView.tier_load_rates`: vLLM's transfer counters, LMCache's retrieve
+time; gateway/tier_load.py); else, with `learn_tiers`, the pool's rate learned from the TTFTs of
+requests whose replica served every predicted token, pulled toward `tier_gbps`
+(policies/scorers/tier_rates.py; `tier_gbps()` reads them); else `tier_gbps` as configured.
+Learning is off by default: the TTFT residual it learns from also holds the queueing the fit
+does not model, and in bench/tiers.py --quick, where nearly every answer queued, it learned the
+tiers 3 to 11 times too slow (docs/tiers.md).
 
     scorers:
       ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99,
              lora_load_s: 0.3, tiers: seconds, kv_bytes_per_token: 131072,
-             tier_gbps: {cpu: 50, disk: 7, shared: 12.5}, learn_tiers: true}
+             tier_gbps: {cpu: 50, disk: 7, shared: 12.5}, learn_tiers: false}
 """
 
 from __future__ import annotations
@@ -102,7 +107,7 @@ class TTFTScorer(Scorer):
         kv_bytes_per_token: float = KV_BYTES_PER_TOKEN,
         tier_gbps: Mapping[str, float] | None = None,
         tier_weights: Mapping[str, float] | None = None,
-        learn_tiers: bool = True,
+        learn_tiers: bool = False,
     ) -> None:
         if not prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s!r}")
@@ -138,6 +143,9 @@ class TTFTScorer(Scorer):
         self._peer: dict[str, list[float]] = {}  # the other gateways' sums, per replica
         self._pooled = self.prior  # what a replica without observations is predicted with
         self.lora = LoraCost(lora_load_s)  # what a request's LoRA adapter adds, in seconds
+        # per replica, the measured tier rates its last prediction used: observe() takes the
+        # load term out of the TTFT at the same rates
+        self._measured: dict[str, Mapping[str, tuple[float, float]]] = {}
 
     def coefficients(self, replica: str) -> tuple[float, float, float]:
         """(a seconds, b seconds per uncached token, c seconds per queued token) for a replica."""
@@ -153,14 +161,17 @@ class TTFTScorer(Scorer):
         uncached = max(0.0, req.prompt_tokens - view.hit_blocks * req.tokens_per_block)
         load = 0.0
         if view.tier_hits and self.tiers != "off":
-            uncached, load = self._tiered(view.tier_hits, uncached, req.tokens_per_block)
+            measured = view.tier_load_rates
+            if measured is not None:
+                self._saw(view.name, measured)
+            uncached, load = self._tiered(view.tier_hits, uncached, req.tokens_per_block, measured)
         t = a + b * uncached + c * view.inflight_prompt_tokens + load
         if view.lora is not None:
             t += self.lora.extra_s(req.model, view.lora)
         return max(_FLOOR_S, t)
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:
-        coef, prior = self._coef, self._pooled
+        coef, prior, seen = self._coef, self._pooled, self._measured
         prompt, tpb = req.prompt_tokens, req.tokens_per_block
         pred: dict[str, float] = {}
         for v in views:
@@ -168,7 +179,10 @@ class TTFTScorer(Scorer):
             uncached = prompt - v.hit_blocks * tpb
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
             if v.tier_hits and self.tiers != "off":
-                left, load = self._tiered(v.tier_hits, max(0.0, uncached), tpb)
+                measured = v.tier_load_rates
+                if measured is not None and seen.get(v.name) is not measured:
+                    self._saw(v.name, measured)
+                left, load = self._tiered(v.tier_hits, max(0.0, uncached), tpb, measured)
                 t += b * (left - max(0.0, uncached)) + load
             if v.lora is not None:
                 t += self.lora.extra_s(req.model, v.lora)
@@ -176,18 +190,32 @@ class TTFTScorer(Scorer):
         best = min(pred.values(), default=_FLOOR_S)
         return {name: best / t for name, t in pred.items()}
 
-    def _tiered(self, hits: Mapping[str, int], uncached: float, tpb: float) -> tuple[float, float]:
-        """(tokens still to recompute, seconds to load the rest) given lower-tier hits."""
+    def _tiered(
+        self,
+        hits: Mapping[str, int],
+        uncached: float,
+        tpb: float,
+        measured: Mapping[str, tuple[float, float]] | None,
+    ) -> tuple[float, float]:
+        """(tokens still to recompute, seconds to load the rest) given lower-tier hits, each
+        tier priced at the replica's `measured` rate when its engine reports one."""
         load = 0.0
-        seconds = self.tiers == "seconds"
-        for tier, blocks in hits.items():
-            tokens = min(uncached, blocks * tpb)
-            if seconds:
-                load += tokens * self.load_s_per_token.get(tier, math.inf)
+        if self.tiers == "seconds":
+            per, kvb = self.load_s_per_token, self.kv_bytes_per_token
+            for tier, blocks in hits.items():
+                tokens = min(uncached, blocks * tpb)
+                m = measured.get(tier) if measured is not None else None
+                load += tokens * (per.get(tier, math.inf) if m is None else kvb * m[0] + m[1])
                 uncached -= tokens
-            else:
-                uncached -= tokens * self.tier_weights.get(tier, 0.0)  # unknown: worth nothing
+            return uncached, load
+        for tier, blocks in hits.items():
+            uncached -= min(uncached, blocks * tpb) * self.tier_weights.get(tier, 0.0)
         return uncached, load
+
+    def _saw(self, replica: str, measured: Mapping[str, tuple[float, float]]) -> None:
+        if replica not in self._measured and len(self._measured) >= _MAX_REPLICAS:
+            self._measured.clear()  # replica names churned: the live ones come back at once
+        self._measured[replica] = measured
 
     def observe(self, outcome: Outcome) -> None:
         y = outcome.ttft_s
@@ -212,8 +240,12 @@ class TTFTScorer(Scorer):
                 if outcome.adapter_load:
                     rest -= self.lora.load_s
                 self._tier_rates.learn(outcome.replica, tiers, rest)
-            per = self.load_s_per_token
-            y = max(0.0, y - sum(n * per.get(t, 0.0) for t, n in tiers.items()))
+            per, kvb = self.load_s_per_token, self.kv_bytes_per_token
+            measured = self._measured.get(outcome.replica)
+            for t, n in tiers.items():
+                m = measured.get(t) if measured is not None else None
+                y -= n * (per.get(t, 0.0) if m is None else kvb * m[0] + m[1])
+            y = max(0.0, y)
         if outcome.adapter_load:  # learn the load from the residual, fit the rest without it
             self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK))
             y = max(0.0, y - self.lora.load_s)

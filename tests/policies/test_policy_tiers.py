@@ -137,7 +137,8 @@ def host_or_recompute(s: TTFTScorer) -> str:
 
 
 def test_learning_recovers_the_true_tier_rate_from_a_prior_ten_times_off() -> None:
-    s = scorer(tier_gbps={"cpu": 5})
+    assert not scorer().learn_tiers  # opt-in: the engine's measurement is the default source
+    s = scorer(tier_gbps={"cpu": 5}, learn_tiers=True)
     assert host_or_recompute(s) == "b"  # the wrong prior prices the host tier out
     for o in outcomes(300):
         s.observe(o)
@@ -150,7 +151,7 @@ def test_learning_recovers_the_true_tier_rate_from_a_prior_ten_times_off() -> No
 
 
 def test_outcomes_that_fell_short_or_did_not_say_teach_no_rate() -> None:
-    s = scorer(tier_gbps={"cpu": 5})
+    s = scorer(tier_gbps={"cpu": 5}, learn_tiers=True)
     for o in outcomes(200, short=True):
         s.observe(o)
     for o in outcomes(200):
@@ -171,7 +172,8 @@ def test_a_full_hit_is_served_though_the_engine_recomputes_the_last_block() -> N
 
 
 def test_shared_tier_sums_make_two_gateways_agree() -> None:
-    one, two = scorer(tier_gbps={"cpu": 5}), scorer(tier_gbps={"cpu": 5})
+    one = scorer(tier_gbps={"cpu": 5}, learn_tiers=True)
+    two = scorer(tier_gbps={"cpu": 5}, learn_tiers=True)
     seen = outcomes(300)
     for o in seen[:150]:
         one.observe(o)
@@ -185,7 +187,40 @@ def test_shared_tier_sums_make_two_gateways_agree() -> None:
     assert one.tier_gbps() == pytest.approx(two.tier_gbps())
     assert one.tier_gbps()["cpu"] == pytest.approx(50, rel=0.1)
     assert one.coefficients("a") == pytest.approx(two.coefficients("a"))
-    old = scorer(tier_gbps={"cpu": 5})
+    old = scorer(tier_gbps={"cpu": 5}, learn_tiers=True)
     old.absorb([{n: v[:10] for n, v in shared_one.items()}])  # fits only: no tier rate moves
     assert old.tier_gbps()["cpu"] == pytest.approx(5)
     assert old.coefficients("a") != old.prior
+
+
+# --- tier rates the engine measured (ReplicaView.tier_load_rates, gateway/tier_load.py) -------
+
+
+def test_a_measured_rate_overrides_a_wrong_configured_one() -> None:
+    s = scorer(tier_gbps={"cpu": 5})  # 10x too slow: 3.4 s to load the prompt from the host
+    assert host_or_recompute(s) == "b"
+    # the engine measured 50 GB/s (seconds per byte): the same prompt loads in 0.34 s
+    rates = {"cpu": (1 / 50e9, 0.0)}
+    views = [ReplicaView("a", tier_hits={"cpu": 8000}, tier_load_rates=rates),
+             ReplicaView("b", hit_blocks=7000)]  # fmt: skip
+    assert s.predict(req(), views[0]) == pytest.approx(0.05 + PROMPT * 131072 / 50e9)
+    assert s.predict(req(), views[1]) == pytest.approx(0.05 + 16_000 / 8000)
+    scores = s.score(req(), views)
+    assert scores["a"] == 1.0 and scores["b"] == pytest.approx(
+        (0.05 + PROMPT * 131072 / 50e9) / (0.05 + 16_000 / 8000)
+    )
+    # LMCache measures seconds per token; a tier the replica did not measure keeps tier_gbps
+    per_token = {"shared": (0.0, 1e-6)}
+    view = ReplicaView("c", tier_hits={"shared": 4000, "cpu": 4000}, tier_load_rates=per_token)
+    assert s.predict(req(), view) == pytest.approx(0.05 + 64_000 * 1e-6 + 64_000 * 131072 / 5e9)
+
+
+def test_the_fit_takes_out_the_load_at_the_measured_rate() -> None:
+    s = scorer(tier_gbps={"cpu": 5})
+    rates = {"cpu": (1 / 50e9, 0.0)}
+    s.score(req(), [ReplicaView("a", tier_hits={"cpu": 4000}, tier_load_rates=rates)])
+    load = 64_000 * 131072 / 50e9  # what the engine measured, not the 10x slower config
+    for _ in range(50):
+        s.observe(Outcome("a", PROMPT, 0, 0, 0, 0.05 + 8.0 + load, tier_tokens={"cpu": 64_000}))
+    a, b, _c = s.coefficients("a")
+    assert a == pytest.approx(0.05, abs=0.02) and b == pytest.approx(1 / 8000, rel=0.02)

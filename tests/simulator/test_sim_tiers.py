@@ -51,7 +51,8 @@ async def test_an_evicted_prefix_loads_from_the_host_tier() -> None:
     assert tiers is not None and tiers.counters.hit_tokens["cpu"] == warm_hit
     bpt = c.config.perf.kv_bytes_per_token
     load_s = warm_hit * bpt / 50e9
-    assert tiers.counters.load_s == pytest.approx(load_s)
+    assert tiers.counters.load_s == {"cpu": pytest.approx(load_s), "shared": 0.0}
+    assert tiers.counters.load_bytes["cpu"] == warm_hit * int(bpt)
     assert tiers.counters.spilled >= PROMPT // BS
     assert load_s < warm_ttft < cold_ttft  # loading costs time, less than recomputing
 
@@ -66,9 +67,10 @@ async def test_the_shared_store_serves_another_replica() -> None:
     assert res.records[1].cached_tokens == PROMPT - BS
     t1 = c.engines[1].cache.tiers
     assert t1 is not None and t1.counters.hit_tokens["shared"] == PROMPT - BS
-    assert t1.counters.load_s == pytest.approx(
+    assert t1.counters.load_s["shared"] == pytest.approx(
         (PROMPT - BS) * c.config.perf.kv_bytes_per_token / 12.5e9
     )
+    assert t1.counters.retrievals == 1
 
 
 def test_spill_and_load_emit_tiered_events() -> None:
@@ -153,11 +155,41 @@ def test_the_cli_sizes_the_shared_store_in_gb() -> None:
     assert fleet_from_args(parser().parse_args(["--replicas", "2"])).shared is None
 
 
-def tier_hits(metrics: str, tier: str) -> float:
-    line = next((x for x in metrics.splitlines()
-                 if x.startswith("vllm:prefix_cache_tier_hits_total{") and f'tier="{tier}"' in x),
+def sample(metrics: str, name: str, label: str = "") -> float:
+    """The value of `name`'s series whose labels hold `label`; 0 when it has none."""
+    line = next((x for x in metrics.splitlines() if x.startswith(name + "{") and label in x),
                 None)  # fmt: skip
     return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
+
+
+def tier_hits(metrics: str, tier: str) -> float:
+    return sample(metrics, "vllm:prefix_cache_tier_hits_total", f'tier="{tier}"')
+
+
+async def test_host_tier_transfers_show_as_vllm_offload_counters() -> None:
+    # 160 GPU blocks of 16: five 1.5K-token prompts push the first one out to the host tier
+    rng = random.Random(4)
+    texts = [" ".join(f"w{rng.randrange(10_000)}" for _ in range(1000)) for _ in range(6)]
+    async with Fleet(n=1, speedup=1000.0, num_gpu_blocks=160, max_model_len=2048,
+                     cpu_kv_gb=3.0, cpu_kv_gbps=20.0) as fleet, \
+            httpx.AsyncClient(timeout=10) as h:  # fmt: skip
+        url = fleet.urls[0]
+        for t in [*texts, texts[0]]:  # the last one loads from the host tier
+            res = await h.post(
+                url + "/v1/completions", json={"model": "qwen2.5-14b", "prompt": t, "max_tokens": 1}
+            )
+            assert res.status_code == 200
+        metrics = (await h.get(url + "/metrics")).text
+    assert tier_hits(metrics, "cpu") > 0
+    loaded = sample(metrics, "vllm:kv_offload_total_bytes_total", 'transfer_type="cpu_to_gpu"')
+    spent = sample(metrics, "vllm:kv_offload_total_time_total", 'transfer_type="cpu_to_gpu"')
+    bpt = fleet.config.perf.kv_bytes_per_token
+    assert loaded == pytest.approx(tier_hits(metrics, "cpu") * bpt, rel=1e-6)
+    assert loaded / spent == pytest.approx(20e9, rel=1e-6)  # --cpu-kv-gbps
+    spilled = sample(metrics, "vllm:kv_offload_total_bytes_total", 'transfer_type="gpu_to_cpu"')
+    spill_s = sample(metrics, "vllm:kv_offload_total_time_total", 'transfer_type="gpu_to_cpu"')
+    assert spilled > 0 and spilled / spill_s == pytest.approx(20e9, rel=1e-6)
+    assert "lmcache:" not in metrics  # no shared store: nothing LMCache would report
 
 
 @pytest.mark.parametrize("shared_kv_gb", [1.0, None])
@@ -186,3 +218,11 @@ async def test_an_http_replica_loads_what_another_computed(shared_kv_gb: float |
         assert cached == [0, loaded] and shared_hits == [0, loaded]
         assert fleet.shared is not None and len(fleet.shared) * 16 >= loaded
         assert "vllm:shared_kv_store_blocks{" in metrics
+        # as LMCache reports a retrieve: the tokens it served and the seconds it took
+        assert sample(metrics, "lmcache:num_hit_tokens_total") == loaded
+        assert sample(metrics, "lmcache:time_to_retrieve_count") == 1
+        bpt = fleet.config.perf.kv_bytes_per_token
+        assert sample(metrics, "lmcache:time_to_retrieve_sum") == pytest.approx(
+            loaded * bpt / (fleet.shared.gbps * 1e9), rel=1e-6
+        )
+        assert "vllm:kv_offload_total_bytes" not in metrics  # no host tier: no vLLM transfers
