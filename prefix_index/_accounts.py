@@ -12,7 +12,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from prefix_index._link import OUTAGE, SHA, RedisLink, raise_first
+from prefix_index._link import SHA, RedisLink, raise_first
 from prefix_index.constants import (
     SCOPE_COST_BLOCKS,
     SIZES_EVICTED,
@@ -23,6 +23,7 @@ from prefix_index.constants import (
     sid_of_prefix,
     sizes_key,
 )
+from prefix_index.redis_client import OUTAGE
 
 _SIZED = {SHA["record"], SHA["evict"]}  # writes whose reply is the change in entries
 _UPKEEP_MS = 1000  # under a steady stream of writes, settle the scope accounts this often...

@@ -15,26 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import (
-    ClusterDownError,
-    NoPermissionError,
-    NoScriptError,
-    RedisClusterException,
-    RedisError,
-    TryAgainError,
-)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import NoPermissionError, NoScriptError, RedisClusterException, RedisError
 
 from prefix_index import _lua
 from prefix_index._fastlane import ClusterLane, FastLane, Lane
 from prefix_index._rebuild import EpochMarker
-from prefix_index.redis_client import Client, RedisHealth, RedisTarget, open_redis
+from prefix_index.redis_client import OUTAGE, Client, RedisHealth, RedisTarget, open_redis
+from prefix_index.redis_follow import MasterFollower
 
-# A Cluster mid-failover answers CLUSTERDOWN / TRYAGAIN or has slots no node serves: an outage
-# too (buffer, answer locally, probe), not a refusal to drop writes over.
-OUTAGE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError, ClusterDownError,
-          TryAgainError, RedisClusterException)  # fmt: skip
 SCRIPTS = {
     "match": _lua.MATCH,
     "record": _lua.RECORD,
@@ -122,8 +111,10 @@ class RedisLink:
         self._watcher: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
         self._down_since = 0.0
-        self._master_at: tuple[str, int] | None = None  # Sentinel: where the master was
-        self._retired: set[asyncio.Task[None]] = set()  # clients of a former master, closing
+        self._follower = MasterFollower(
+            target=target, health=self.health, timeout_s=t.timeout_s * 4,
+            grace_s=t.write_timeout_s, log=self._log, who="prefix index",
+        )  # fmt: skip
         self._complaints: set[str] = set()
 
     def redis(self) -> Client:
@@ -149,9 +140,7 @@ class RedisLink:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-        for task in list(self._retired):
-            task.cancel()
-        await asyncio.gather(*self._retired, return_exceptions=True)
+        await self._follower.aclose()
 
     async def ping(self) -> None:
         """Every master answers (one, or each of a Cluster's) and has the scripts. A replica
@@ -224,6 +213,7 @@ class RedisLink:
                 delay = min(delay * 2, self.tuning.retry_s * 10)
                 continue
             await self.lane.reset()
+            self._follower.forget()
             self.down = False
             down_s = time.monotonic() - self._down_since
             self.health.up = True
@@ -246,41 +236,14 @@ class RedisLink:
         return lost
 
     async def _follow_master(self) -> None:
-        """Sentinel: ask where the master is now. After a switch the old master may accept
-        writes for seconds until the sentinels demote it; this gateway's connections to it are
-        closed here (the pool closes its own idle ones when the address changes)."""
-        client = self._client
-        if self.target.kind != "sentinel" or not isinstance(client, Redis):
-            return
-        pool: Any = client.connection_pool
-        async with asyncio.timeout(self.tuning.timeout_s * 4):
-            address = await pool.get_master_address()
-        seen = {self._master_at} if self._master_at else self._lane_addresses()
-        if seen - {address}:
-            # A connection in use now would go back to the pool still on the old master: a
-            # new client instead; the old one closes once its calls are done.
-            self._log.info(
-                "prefix index: %s moved to %s:%s; reconnecting", self.target.where, *address
-            )
-            self.health.switches += 1
+        """Sentinel: after a switch, a new client and an empty fast lane (prefix_index/
+        redis_follow.py retires the old client once its calls are done)."""
+        if await self._follower.moved(self._client, self._lane_addresses()):
             self._client = None
             await self.lane.reset()
-            self._retire(client)
-        self._master_at = address
 
     def _lane_addresses(self) -> set[tuple[str, int]]:
         return self.lane.addresses() if isinstance(self.lane, FastLane) else set()
-
-    def _retire(self, client: Client) -> None:
-        async def close() -> None:
-            try:
-                await asyncio.sleep(self.tuning.write_timeout_s)
-            finally:
-                await client.aclose()
-
-        task = asyncio.get_running_loop().create_task(close())
-        self._retired.add(task)
-        task.add_done_callback(self._retired.discard)
 
     async def _watch(self) -> None:
         """Every `check_s`: where a Sentinel master is, and the marker (Redis may have lost the

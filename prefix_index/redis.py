@@ -28,7 +28,7 @@ from prefix_index._accounts import ScopeAccounts
 from prefix_index._bound import check_bounds
 from prefix_index._fastlane import pack_chain
 from prefix_index._flusher import Flusher
-from prefix_index._link import OUTAGE, SHA, RedisLink, RedisTuning
+from prefix_index._link import SHA, RedisLink, RedisTuning
 from prefix_index._redis_local import LocalEntries
 from prefix_index._writes import Write
 from prefix_index.base import IndexStats, PrefixIndex
@@ -44,7 +44,7 @@ from prefix_index.constants import (
     replicas_key,
 )
 from prefix_index.memory import MemoryIndex
-from prefix_index.redis_client import RedisHealth, parse_redis_url, redact_url
+from prefix_index.redis_client import OUTAGE, RedisHealth, parse_redis_url, redact_url
 
 __all__ = ["REDIS_BYTES_PER_ENTRY", "RedisIndex", "RedisTuning"]
 

@@ -35,6 +35,17 @@ from redis.asyncio.connection import ConnectionPool, SSLConnection, UnixDomainSo
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# What Redis going away raises, one node or a Cluster. A Cluster mid-failover answers
+# CLUSTERDOWN / TRYAGAIN or has slots no node serves: an outage too (buffer, answer locally,
+# probe), not a refusal to drop writes over. redis-py's cluster client can also race a node's
+# disconnect and write to a connection it already closed (AttributeError: 'NoneType' object
+# has no attribute 'writelines', seen under load in tests/redis_ha): the node going away too.
+OUTAGE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError, ClusterDownError,
+          TryAgainError, RedisClusterException, AttributeError)  # fmt: skip
 
 Kind = Literal["node", "sentinel", "cluster"]
 Client = Redis | RedisCluster
@@ -199,7 +210,8 @@ def open_redis(
 ) -> Client:
     """A client for `url` that connects on first use (never here). Sentinel: a master client
     that asks the sentinels where the master is on every new connection, and drops connections
-    to a master demoted to replica (READONLY). Cluster: a RedisCluster (follows MOVED/ASK, maps
+    to a master demoted to replica (READONLY); before that, after a graceful switch, its user
+    moves to a new client (prefix_index/redis_follow.py). Cluster: a RedisCluster (follows MOVED/ASK, maps
     the slots again when a node is lost). Options in the URL win over these arguments."""
     target = parse_redis_url(url) if isinstance(url, str) else url
     base: dict[str, Any] = {

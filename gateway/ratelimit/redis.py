@@ -1,8 +1,9 @@
 """The Redis backend: buckets shared by every gateway process, one script call per decision.
 
 Any URL prefix_index/redis_client.py opens: one node, Sentinel (the master is found again after a
-failover), Cluster (every rule of one key shares the key's hash tag, so one script call stays in
-one slot; the scripts are loaded on whichever master answers NOSCRIPT).
+failover, and followed within `check_s` of a graceful switch: prefix_index/redis_follow.py),
+Cluster (every rule of one key shares the key's hash tag, so one script call stays in one slot;
+the scripts are loaded on whichever master answers NOSCRIPT).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisError
 
-from prefix_index.redis_client import RedisHealth, open_redis, parse_redis_url
+from prefix_index.redis_client import OUTAGE, Client, RedisHealth, open_redis, parse_redis_url
+from prefix_index.redis_follow import MasterFollower
 
 from .base import Clock, Rule, RuleState, Verdict, check_costs, rule_state
 
@@ -96,7 +98,10 @@ class RedisRateLimiter:
     skips Redis for `probe_s`, then probes again and recovers by itself. At most
     `max_connections` calls are in flight; the rest wait their turn in a gate (a queue, not an
     outage) and skip Redis at once if it went down meanwhile. `health` counts the outages and
-    recoveries (and the time spent failing open).
+    recoveries (and the time spent failing open). On Sentinel a background task asks the
+    sentinels every `check_s` where the master is and moves there (`health.switches`), so the
+    buckets keep living on the master after a graceful switch, not on a master about to be
+    demoted (whose writes the demotion discards).
     """
 
     def __init__(
@@ -107,27 +112,42 @@ class RedisRateLimiter:
         timeout_s: float = 0.25,
         probe_s: float = 1.0,
         max_connections: int = 32,
+        check_s: float = 1.0,
         clock: Clock = time.monotonic,
     ) -> None:
         self.namespace = namespace
-        target = parse_redis_url(url)
+        self._target = target = parse_redis_url(url)
         self._where = target.where
         self._timeout_s = timeout_s
         self._probe_s = probe_s
+        self._max_connections = max_connections
+        self._check_s = check_s
         self._clock = clock
-        self._redis = open_redis(
-            target,
-            socket_timeout=timeout_s,
-            connect_timeout=timeout_s,
-            max_connections=max_connections,
-        )
         self.health = RedisHealth()
+        # a call is bounded by timeout_s * 4: a retired client has no call left after that
+        self._follower = MasterFollower(
+            target=target, health=self.health, timeout_s=timeout_s * 4, grace_s=timeout_s * 4,
+            log=log, who="rate limit",
+        )  # fmt: skip
+        self._watcher: asyncio.Task[None] | None = None
         self._down_at = 0.0
         self._gate = asyncio.Semaphore(max_connections)
-        self._acquire = self._redis.register_script(_ACQUIRE)
-        self._adjust = self._redis.register_script(_ADJUST)
         self._down = False
         self._next_probe = 0.0
+        self._open()
+
+    def _open(self) -> None:
+        """A client (it connects on first use) and the scripts registered on it."""
+        self._redis: Client = open_redis(
+            self._target,
+            socket_timeout=self._timeout_s,
+            connect_timeout=self._timeout_s,
+            max_connections=self._max_connections,
+        )
+        self._scripts = {
+            "acquire": self._redis.register_script(_ACQUIRE),
+            "adjust": self._redis.register_script(_ADJUST),
+        }
 
     def bucket_key(self, key: str, rule: Rule) -> str:
         return f"{self.namespace}:{{{key}}}:{rule.name}"
@@ -140,7 +160,7 @@ class RedisRateLimiter:
         for r, c in zip(rules, costs, strict=True):
             args += [r.rate_per_s, r.burst, c]
         keys = [self.bucket_key(key, r) for r in rules]
-        reply = await self._call(self._acquire, keys, args)
+        reply = await self._call("acquire", keys, args)
         if reply is None:
             states = tuple(RuleState(r, r.burst, r.burst, 0.0) for r in rules)
             return Verdict(True, 0.0, states, degraded=True)
@@ -157,11 +177,13 @@ class RedisRateLimiter:
 
     async def adjust(self, key: str, rule: Rule, delta: float) -> None:
         await self._call(
-            self._adjust, [self.bucket_key(key, rule)], [rule.rate_per_s, rule.burst, delta]
+            "adjust", [self.bucket_key(key, rule)], [rule.rate_per_s, rule.burst, delta]
         )
 
-    async def _call(self, script: object, keys: list[str], args: list[float]) -> list[bytes] | None:
+    async def _call(self, script: str, keys: list[str], args: list[float]) -> list[bytes] | None:
         """The script's reply, or None when Redis is down (or was, and the probe is not due)."""
+        if self._watcher is None and self._follower.sentinel and self._check_s > 0:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
         async with self._gate:
             probing = self._down
             if probing:
@@ -171,8 +193,8 @@ class RedisRateLimiter:
                 self._next_probe = now + self._probe_s  # one probe per interval, not per request
             try:
                 async with asyncio.timeout(self._timeout_s * 4):  # connect + one retry, bounded
-                    reply = await script(keys=keys, args=args)  # type: ignore[operator]
-            except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+                    reply = await self._scripts[script](keys=keys, args=args)
+            except (*OUTAGE, RedisError) as exc:  # redis_client.OUTAGE says what counts
                 if not self._down:
                     self._down = True
                     self._down_at = time.monotonic()
@@ -189,6 +211,7 @@ class RedisRateLimiter:
                     )
                 return None
             if probing and self._down:
+                self._follower.forget()
                 self._down = False
                 down_s = time.monotonic() - self._down_at
                 self.health.up = True
@@ -201,5 +224,25 @@ class RedisRateLimiter:
                 )
             return reply  # type: ignore[no-any-return]
 
+    async def _watch(self) -> None:
+        """Every `check_s` while Redis answers: has the Sentinel master moved? (During an outage
+        the probe's new connection asks the sentinels itself.) Sentinels that do not answer are
+        no outage of the limiter: its calls tell."""
+        while True:
+            await asyncio.sleep(self._check_s)
+            if self._down:
+                continue
+            try:
+                if await self._follower.moved(self._redis):
+                    self._open()
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.debug(
+                    "rate limit: could not ask the sentinels (%s: %s)", type(exc).__name__, exc
+                )
+
     async def aclose(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
         await self._redis.aclose()
+        await self._follower.aclose()
