@@ -96,6 +96,7 @@ class FleetLoad:
         self.errors = 0
         self.tick_s = 0.0  # wall time spent in ticks, in all
         self.quiet = 0  # ticks in a row that changed nothing
+        self.early_wakes = 0  # idle waits cut short by this gateway's own figures moving
         self._moved = False  # this tick parsed a peer's new figures
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -126,19 +127,35 @@ class FleetLoad:
 
     async def _loop(self) -> None:
         """Tick every interval; after QUIET_TICKS ticks in which nothing changed (own figures or
-        any peer's), every IDLE_FACTOR intervals until something does; after a failure, back off
+        any peer's), every IDLE_FACTOR intervals until something does, though a change of this
+        gateway's own figures ends the wait at the next interval; after a failure, back off
         from 0.5 s to 5 s."""
         backoff = self.interval_s
         while True:
             ok = await self.tick()
             if not ok:
                 backoff = min(max(backoff * 2, 0.5), 5.0)
-            elif self.quiet >= QUIET_TICKS:  # never past a heartbeat: peers must see it live
-                backoff = max(self.interval_s, min(self.interval_s * IDLE_FACTOR,
-                                                   self.stale_after_s / 4))  # fmt: skip
+                await asyncio.sleep(backoff)
+                continue
+            backoff = self.interval_s
+            if self.quiet >= QUIET_TICKS:
+                await self._idle()
             else:
-                backoff = self.interval_s
-            await asyncio.sleep(backoff)
+                await asyncio.sleep(self.interval_s)
+
+    async def _idle(self) -> None:
+        """An idle fleet's wait: up to IDLE_FACTOR intervals (never past a heartbeat: peers must
+        see this gateway live), looking at its own figures every interval, so the first requests
+        after a quiet spell reach the peers within one interval, not five. Looking costs a walk
+        over the replicas, no Redis."""
+        idle_s = max(self.interval_s, min(self.interval_s * IDLE_FACTOR, self.stale_after_s / 4))
+        end = time.monotonic() + idle_s
+        while time.monotonic() < end:
+            await asyncio.sleep(self.interval_s)
+            published = self._published
+            if published is None or own_figures(self._current()) != published[0]:
+                self.early_wakes += 1
+                return
 
     # --- one tick --------------------------------------------------------------------------------
     async def tick(self) -> bool:

@@ -213,4 +213,6 @@ async def test_an_idle_fleet_ticks_less_often_and_still_sees_new_load() -> None:
         sent = asyncio.create_task(post(h, gws[0], "q"))
         await poll_until(lambda: peer_inflight(apps[1]) == 1, 5)
         assert apps[1].gateway.fleet.quiet < QUIET_TICKS  # the change woke it up
+        # the sender published at the next interval, not at the end of its idle wait
+        assert apps[0].gateway.fleet.early_wakes >= 1
         assert (await sent)[0] == 200
