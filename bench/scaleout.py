@@ -265,12 +265,15 @@ async def cost_one(urls: list[str], sharing: bool, tmp: Path,
                     done += r.status == 200
 
         ticks1 = await metric(h, url, "gateway_fleet_ticks_total")
+        pushes1 = await metric(h, url, "gateway_fleet_pushes_sent_total")
         c1, t1 = proc_cpu_s(proc.pid), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(16)))
         busy_cpu, busy_s = proc_cpu_s(proc.pid) - c1, time.perf_counter() - t1
         busy_ticks = await metric(h, url, "gateway_fleet_ticks_total") - ticks1
+        pushes = await metric(h, url, "gateway_fleet_pushes_sent_total") - pushes1
     return {"idle_cpu_per_s": idle_cpu / idle_s, "ticks_per_s": ticks / idle_s,
             "busy_ticks_per_s": busy_ticks / busy_s, "rps": done / busy_s,
+            "pushes_per_s": pushes / busy_s,
             "cpu_us_per_req": busy_cpu / max(done, 1) * 1e6}  # fmt: skip
 
 
@@ -283,13 +286,13 @@ async def cost(args: argparse.Namespace, tmp: Path) -> str:
         stop_processes([up])
     tick_us = (on["idle_cpu_per_s"] - off["idle_cpu_per_s"]) / max(on["ticks_per_s"], 1e-9) * 1e6
     lines = [
-        "| shared load | idle CPU (% core) | round trips/s idle | loaded | req/s | "
-        "CPU per request (µs) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| shared load | idle CPU (% core) | round trips/s idle | loaded | pushes/s loaded | "
+        "req/s | CPU per request (µs) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, c in (("off", off), ("on", on)):
         lines.append(f"| {name} | {c['idle_cpu_per_s'] * 100:.1f} | {c['ticks_per_s']:.0f} | "
-                     f"{c['busy_ticks_per_s']:.0f} | {c['rps']:.0f} | "
+                     f"{c['busy_ticks_per_s']:.0f} | {c['pushes_per_s']:.0f} | {c['rps']:.0f} | "
                      f"{c['cpu_us_per_req']:.0f} |")  # fmt: skip
     per_req = tick_us * on["busy_ticks_per_s"] / max(on["rps"], 1)
     lines.append(
@@ -297,7 +300,9 @@ async def cost(args: argparse.Namespace, tmp: Path) -> str:
         f"at {on['rps']:.0f} req/s and {on['busy_ticks_per_s']:.0f} ticks/s that is "
         f"{per_req:.1f} µs per request; "
         f"measured under load: {on['cpu_us_per_req'] - off['cpu_us_per_req']:+.0f} µs per request "
-        "(noisy on a shared machine). One Redis round trip per tick, none per request."
+        "(noisy on a shared machine). One Redis round trip per tick and one PUBLISH per push "
+        "(at most one per push_interval_ms, only when the figures changed), none on the "
+        "request path."
     )
     return "\n".join(lines)
 

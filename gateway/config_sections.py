@@ -363,13 +363,15 @@ class FleetConfig(_Strict):
     (gateway/fleet_load.py, docs/scaleout.md). `shared_load: null` (the default) follows the
     index: on with `index.backend: redis`, off with the memory index. With it on,
     `max_inflight_per_replica` is a fleet-wide cap: each gateway counts its own requests plus
-    the others' as of their last tick."""
+    the others' as of their last tick or push (gateway/fleet_push.py)."""
 
     shared_load: bool | None = None  # None: on when index.backend is redis
     redis_url: str | None = None  # None: index.redis_url
     name: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     gateway_id: str | None = Field(None, min_length=1, max_length=128)  # None: host-pid-random
     publish_interval_ms: float = Field(20.0, ge=1, le=10_000)
+    # between ticks, own figures are pushed within this long of a change (0: ticks only)
+    push_interval_ms: float = Field(2.0, ge=0, le=10_000)
     stale_after_s: float = Field(3.0, gt=0, le=600)
 
     @field_validator("gateway_id", mode="before")

@@ -34,6 +34,7 @@ from prefix_index import MemoryIndex, PrefixIndex
 from prefix_index.redis_client import Client, open_redis, redact_url
 
 from .config import Config
+from .fleet_push import LoadPush
 from .snapshot import Snapshot
 
 log = logging.getLogger("gateway.fleet")
@@ -56,10 +57,11 @@ def default_gateway_id() -> str:
 
 
 class _Peer:
-    __slots__ = ("seq", "changed", "body", "raw")
+    __slots__ = ("seq", "changed", "body", "raw", "rseq")
 
     def __init__(self, seq: int, changed: float, body: dict[str, Any], raw: bytes) -> None:
         self.seq, self.changed, self.body, self.raw = seq, changed, body, raw
+        self.rseq = seq  # the seq of the load figures in `body["r"]` (a push may be newer)
 
 
 class FleetLoad:
@@ -77,6 +79,12 @@ class FleetLoad:
         self.gateway_id = fc.gateway_id or default_gateway_id()
         self.key = KEY % fc.name
         self.interval_s = fc.publish_interval_ms / 1000.0
+        # pushes between ticks (gateway/fleet_push.py); None: the tick alone
+        self.push = (
+            LoadPush(self, lambda: own_figures(current()), fc.name, fc.push_interval_ms / 1000.0)
+            if fc.push_interval_ms > 0
+            else None
+        )
         self.stale_after_s = fc.stale_after_s
         self.timeout_s = max(0.25, 5 * self.interval_s)
         self._url = fc.redis_url or config.index.redis_url
@@ -102,9 +110,13 @@ class FleetLoad:
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="fleet-load")
+        if self.push is not None:
+            self.push.start()
 
     async def stop(self) -> None:
         """Stop ticking and take this gateway's field out, so peers stop counting it at once."""
+        if self.push is not None:
+            await self.push.stop()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -175,8 +187,7 @@ class FleetLoad:
                 else:
                     pipe = self.redis().pipeline(transaction=False)
                     if publish:
-                        self._seq += 1
-                        body = {"s": self._seq, "t": time.time(), "r": mine[0], "l": mine[1]}
+                        body = {"s": self.next_seq(), "t": time.time(), "r": mine[0], "l": mine[1]}
                         pipe.hset(self.key, self.gateway_id, orjson.dumps(body))
                         pipe.pexpire(self.key, ttl_ms)
                     if self._gone:
@@ -227,6 +238,12 @@ class FleetLoad:
         self._gone = [f for f, p in self._peers.items()
                       if now - p.changed > self.stale_after_s * _GONE_FACTOR]  # fmt: skip
         self.peers = len(live)
+        self._set_load(snap, live)
+        for name, pool in snap.pools.items():
+            self._absorb(name, pool, live)
+
+    def _set_load(self, snap: Snapshot, live: list[dict[str, Any]]) -> None:
+        """Every replica's peer figures: the sums over the live peers' bodies."""
         sums: dict[str, list[int]] = {}
         for body in live:
             for url, figures in (body.get("r") or {}).items():
@@ -239,9 +256,35 @@ class FleetLoad:
                 n, tokens, placed = sums.get(r.url, (0, 0, 0))
                 freed = freed or n < r.peer_inflight
                 r.peer_inflight, r.peer_prompt_tokens, r.peer_placed_blocks = n, tokens, placed
-            self._absorb(name, pool, live)
             if freed:
                 self._notify(name)  # a peer's request ended: a slot may be free under the cap
+
+    # --- pushes (gateway/fleet_push.py) -----------------------------------------------------------
+    def next_seq(self) -> int:
+        """The seq of a new publication (field or push): one counter, so a reader can tell
+        which of the two carries the newer load figures."""
+        self._seq += 1
+        return self._seq
+
+    def apply_push(self, raw: bytes) -> bool:
+        """A peer's pushed load figures ({"g": id, "s": seq, "r": ...}): taken when newer than
+        what this gateway holds of that peer, and the replicas' peer figures set at once. A
+        peer not seen in the hash yet waits for the tick (its liveness comes from there)."""
+        try:
+            msg = orjson.loads(raw)
+            field, seq, figures = str(msg["g"]).encode(), int(msg["s"]), msg["r"]
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return False
+        peer = self._peers.get(field)
+        if peer is None or seq <= peer.rseq or not isinstance(figures, dict):
+            return False
+        peer.body = {**peer.body, "r": figures}
+        peer.rseq = seq
+        now = time.monotonic()
+        peer.changed = now
+        live = [p.body for p in self._peers.values() if now - p.changed <= self.stale_after_s]
+        self._set_load(self._current(), live)
+        return True
 
     def _update(self, field: bytes, raw: bytes, now: float) -> _Peer | None:
         old = self._peers.get(field)
@@ -254,9 +297,12 @@ class FleetLoad:
             return None  # not a field this version writes
         if old is not None:
             if old.seq != seq:
+                if old.rseq > seq:  # a push after this field was written: its figures are newer
+                    body["r"] = old.body.get("r")
                 if body.get("r") != old.body.get("r") or body.get("l") != old.body.get("l"):
                     self._moved = True  # new figures, not only a heartbeat
                 old.seq, old.changed, old.body, old.raw = seq, now, body, raw
+                old.rseq = max(old.rseq, seq)
             return old
         self._moved = True
         # first sight: as old as its writer's clock says (a dead gateway's field is not counted)
@@ -347,9 +393,20 @@ class _FleetCollector(Collector):
         yield CounterMetricFamily(
             "gateway_fleet_tick_seconds", "Wall time spent in shared-load ticks.", value=f.tick_s
         )
+        push = f.push
+        yield CounterMetricFamily(
+            "gateway_fleet_pushes_sent",
+            "Own load figures pushed between ticks (fleet.push_interval_ms).",
+            value=0 if push is None else push.sent,
+        )
+        yield CounterMetricFamily(
+            "gateway_fleet_pushes_applied",
+            "Peers' pushed load figures taken (newer than what this gateway held).",
+            value=0 if push is None else push.applied,
+        )
         peer = GaugeMetricFamily(
             "gateway_fleet_peer_inflight_requests",
-            "Requests the other gateways have in flight on the replica (as of the last tick).",
+            "Requests the other gateways have in flight on the replica (as of their last tick or push).",
             labels=["pool", "replica"],
         )
         for r in self._current().replicas():

@@ -208,7 +208,9 @@ async def test_shared_load_follows_the_index_unless_set(
 
 
 async def test_an_idle_fleet_ticks_less_often_and_still_sees_new_load() -> None:
-    async with fleet_of(2, [Upstream("u0", delay_s=1.0)]) as (apps, gws, _), aiohttp.ClientSession() as h:
+    ticks_only = {"fleet": {"push_interval_ms": 0}}  # the tick's own path (pushes: below)
+    async with fleet_of(2, [Upstream("u0", delay_s=1.0)], **ticks_only) as (apps, gws, _), \
+            aiohttp.ClientSession() as h:  # fmt: skip
         await poll_until(lambda: all(a.gateway.fleet.quiet >= QUIET_TICKS for a in apps), 10)
         sent = asyncio.create_task(post(h, gws[0], "q"))
         await poll_until(lambda: peer_inflight(apps[1]) == 1, 5)
@@ -216,3 +218,21 @@ async def test_an_idle_fleet_ticks_less_often_and_still_sees_new_load() -> None:
         # the sender published at the next interval, not at the end of its idle wait
         assert apps[0].gateway.fleet.early_wakes >= 1
         assert (await sent)[0] == 200
+
+
+async def test_pushes_carry_load_between_ticks() -> None:
+    """With ticks 2 s apart, a peer still sees the other gateway's requests start and end: the
+    pushes (gateway/fleet_push.py) carry them one round trip after the change."""
+    slow = {"fleet": {"publish_interval_ms": 2000, "stale_after_s": 30, "push_interval_ms": 2}}
+    async with fleet_of(2, [Upstream("u0", delay_s=0.5)], **slow) as (apps, gws, _), \
+            aiohttp.ClientSession() as h:  # fmt: skip
+        await poll_until(lambda: all(a.gateway.fleet.peers == 1 for a in apps), 10)
+        ticks = apps[1].gateway.fleet.ticks
+        sent = [asyncio.create_task(post(h, gws[0], f"p{i}")) for i in range(2)]
+        await poll_until(lambda: peer_inflight(apps[1]) == 2, 5)
+        assert [s for s, _ in await asyncio.gather(*sent)] == [200, 200]
+        await poll_until(lambda: peer_inflight(apps[1]) == 0, 5)
+        push = apps[1].gateway.fleet.push
+        assert push is not None and push.applied >= 2  # start and end came by push
+        assert apps[1].gateway.fleet.ticks - ticks <= 1  # at most one tick in between
+        assert apps[0].gateway.fleet.push.sent >= 2
