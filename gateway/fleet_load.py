@@ -243,16 +243,20 @@ class FleetLoad:
             self._absorb(name, pool, live)
 
     def _set_load(self, snap: Snapshot, live: list[dict[str, Any]]) -> None:
-        """Every replica's peer figures: the sums over the live peers' bodies."""
+        """Every replica's peer figures: the sums over the live peers' bodies (and its own
+        figures' changes wired to the push publisher, for replicas a reload or discovery
+        added since the last tick)."""
         sums: dict[str, list[int]] = {}
         for body in live:
             for url, figures in (body.get("r") or {}).items():
                 acc = sums.setdefault(url, [0, 0, 0])
                 for i in range(3):
                     acc[i] += int(figures[i])
+        poke = None if self.push is None else self.push.poke
         for name, pool in snap.pools.items():
             freed = False
             for r in pool.replicas:
+                r.on_load = poke
                 n, tokens, placed = sums.get(r.url, (0, 0, 0))
                 freed = freed or n < r.peer_inflight
                 r.peer_inflight, r.peer_prompt_tokens, r.peer_placed_blocks = n, tokens, placed

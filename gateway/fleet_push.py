@@ -12,9 +12,10 @@ figures stand still.
     kvgw:fleet:{<fleet.name>}:push   PUBLISH   orjson {"g": gateway_id, "s": seq, "r": {...}}
 
 `s` comes from the tick's counter, so a reader keeps whichever of push and hash field is newer.
-The publisher looks at its own figures every interval while it has requests in flight (or had
-within the last second), else every tick interval. Redis out: the tick reports it; the
-listener retries every second.
+A replica's figures moving (dispatch, first token, end) wakes the publisher
+(`ReplicaState.on_load`, one Event.set on the request path); it waits one interval for the
+changes that follow, then publishes once if the figures differ from its last push. Idle, it
+costs nothing. Redis out: the tick reports it; the listener retries every second.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.fleet")
 
 CHANNEL = "kvgw:fleet:{%s}:push"  # the fleet's hash tag: one Cluster slot, like its hash
-BUSY_FOR_S = 1.0  # after the last change, look every push interval for this long
 
 
 class LoadPush:
@@ -53,6 +52,7 @@ class LoadPush:
         self.sent = 0  # pushes published
         self.applied = 0  # peers' pushes taken (newer than what this gateway held)
         self._tasks: list[asyncio.Task[None]] = []
+        self._wake = asyncio.Event()
 
     def start(self) -> None:
         self._tasks = [
@@ -66,18 +66,22 @@ class LoadPush:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
+    def poke(self) -> None:
+        """A replica's in-flight figures moved (ReplicaState.on_load): publish within one
+        interval. On the request path: one Event.set, nothing else."""
+        self._wake.set()
+
     async def _publish(self) -> None:
         fleet = self.fleet
         last: dict[str, list[int]] | None = None
-        changed_at = 0.0
         gid = fleet.gateway_id
         while True:
-            busy = time.monotonic() - changed_at < BUSY_FOR_S
-            await asyncio.sleep(self.interval_s if busy else fleet.interval_s)
+            await self._wake.wait()
+            await asyncio.sleep(self.interval_s)  # the changes of one interval go together
+            self._wake.clear()
             mine = self._figures()
             if mine == last:
                 continue
-            changed_at = time.monotonic()
             body = orjson.dumps({"g": gid, "s": fleet.next_seq(), "r": mine})
             try:
                 async with asyncio.timeout(fleet.timeout_s):

@@ -91,6 +91,9 @@ class ReplicaState:
     lora: ReplicaAdapters = field(default_factory=ReplicaAdapters)  # its LoRA adapters
     lora_max: int | None = None  # pools.<p>.lora.max_loras (None: the metric's)
     on_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
+    # its in-flight figures moved: the fleet's push publisher (gateway/fleet_push.py), set by
+    # the shared-load tick; None when load is not shared
+    on_load: Callable[[], None] | None = field(default=None, repr=False)
     _idle: asyncio.Event | None = field(default=None, repr=False)
 
     @classmethod
@@ -184,14 +187,20 @@ class ReplicaState:
         self.inflight += 1
         self.inflight_prompt_tokens += uncached_prompt_tokens
         self.placed_blocks += new_blocks
+        if self.on_load is not None:
+            self.on_load()
 
     def prefilled(self, uncached_prompt_tokens: int) -> None:
         self.inflight_prompt_tokens = max(0, self.inflight_prompt_tokens - uncached_prompt_tokens)
+        if self.on_load is not None:
+            self.on_load()
 
     def finished(self) -> None:
         self.inflight = max(0, self.inflight - 1)
         if self.inflight == 0 and self._idle is not None:
             self._idle.set()
+        if self.on_load is not None:
+            self.on_load()
 
     def observe_ttft(self, ttft_s: float) -> None:
         self.ttft_ewma_s = (
