@@ -234,7 +234,7 @@ class FleetLoad:
                 if peer is not None:
                     seen[field] = peer
             self._peers = seen
-        live = [p.body for p in self._peers.values() if now - p.changed <= self.stale_after_s]
+        live = self._live(now)
         self._gone = [f for f, p in self._peers.items()
                       if now - p.changed > self.stale_after_s * _GONE_FACTOR]  # fmt: skip
         self.peers = len(live)
@@ -286,9 +286,12 @@ class FleetLoad:
         peer.rseq = seq
         now = time.monotonic()
         peer.changed = now
-        live = [p.body for p in self._peers.values() if now - p.changed <= self.stale_after_s]
-        self._set_load(self._current(), live)
+        self._set_load(self._current(), self._live(now))
         return True
+
+    def _live(self, now: float) -> list[dict[str, Any]]:
+        """The bodies of the peers that still count (changed within stale_after_s)."""
+        return [p.body for p in self._peers.values() if now - p.changed <= self.stale_after_s]
 
     def _update(self, field: bytes, raw: bytes, now: float) -> _Peer | None:
         old = self._peers.get(field)

@@ -201,16 +201,24 @@ class TTFTScorer(Scorer):
         tier priced at the replica's `measured` rate when its engine reports one."""
         load = 0.0
         if self.tiers == "seconds":
-            per, kvb = self.load_s_per_token, self.kv_bytes_per_token
             for tier, blocks in hits.items():
                 tokens = min(uncached, blocks * tpb)
-                m = measured.get(tier) if measured is not None else None
-                load += tokens * (per.get(tier, math.inf) if m is None else kvb * m[0] + m[1])
+                load += tokens * self._s_per_token(tier, measured, math.inf)
                 uncached -= tokens
             return uncached, load
         for tier, blocks in hits.items():
             uncached -= min(uncached, blocks * tpb) * self.tier_weights.get(tier, 0.0)
         return uncached, load
+
+    def _s_per_token(
+        self, tier: str, measured: Mapping[str, tuple[float, float]] | None, unknown: float
+    ) -> float:
+        """Seconds to load one token from `tier`: the replica's `measured` rate (per byte or
+        per token), else the learned or configured one, else `unknown`."""
+        m = measured.get(tier) if measured is not None else None
+        if m is None:
+            return self.load_s_per_token.get(tier, unknown)
+        return self.kv_bytes_per_token * m[0] + m[1]
 
     def _saw(self, replica: str, measured: Mapping[str, tuple[float, float]]) -> None:
         if replica not in self._measured and len(self._measured) >= _MAX_REPLICAS:
@@ -240,11 +248,9 @@ class TTFTScorer(Scorer):
                 if outcome.adapter_load:
                     rest -= self.lora.load_s
                 self._tier_rates.learn(outcome.replica, tiers, rest)
-            per, kvb = self.load_s_per_token, self.kv_bytes_per_token
             measured = self._measured.get(outcome.replica)
             for t, n in tiers.items():
-                m = measured.get(t) if measured is not None else None
-                y -= n * (per.get(t, 0.0) if m is None else kvb * m[0] + m[1])
+                y -= n * self._s_per_token(t, measured, 0.0)
             y = max(0.0, y)
         if outcome.adapter_load:  # learn the load from the residual, fit the rest without it
             self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK))
