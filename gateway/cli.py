@@ -117,6 +117,7 @@ def serve(
         lifespan="on",
         log_config=None,
         access_log=False,
+        proxy_headers=False,  # nothing reads the client address: no X-Forwarded-* rewrite per request
         timeout_graceful_shutdown=int(config.server.graceful_shutdown_s),
         # no limit_concurrency: the app holds server.max_connections itself, so health probes
         # stay exempt and the 503 is OpenAI-shaped (GatewayApp)

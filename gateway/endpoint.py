@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import nullcontext
 
 from .budgets import BodyBudget
 from .errors import (
@@ -21,6 +22,7 @@ from .errors import (
     RequestTimeout,
     error_body,
 )
+from .http_protocol import body_buffered
 from .kinds import EndpointKind
 from .pipeline import Pipeline, RawHeaders, request_id
 from .record import Record
@@ -78,8 +80,10 @@ async def read_body(
     try:
         parts: list[bytes] = []
         size = 0
+        # a client too slow to send it is let go; a body already in needs no deadline
+        deadline = nullcontext() if body_buffered(receive) else asyncio.timeout(timeout_s)
         try:
-            async with asyncio.timeout(timeout_s):  # a client too slow to send it is let go
+            async with deadline:
                 while True:
                     msg = await receive()
                     if msg["type"] == "http.disconnect":

@@ -58,6 +58,18 @@ def body_writer() -> BodyWriter | None:
     return _WRITER.get()
 
 
+def body_buffered(receive: object) -> bool:
+    """Whether `receive` (uvicorn's, under this protocol) will return the whole request body at
+    once: its last byte arrived (usually in the same read as the headers), so no deadline needs
+    arming for it. False under another server, or while the body is still on its way."""
+    cycle = getattr(receive, "__self__", None)
+    return (
+        type(cycle) is RequestResponseCycle
+        and cycle.more_body is False
+        and cycle.message_event.is_set()
+    )
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

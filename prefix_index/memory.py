@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 from prefix_index._bound import BoundedScopes, check_bounds
 from prefix_index._scope import NEVER, RoutedEntries, clear_bit
@@ -29,6 +30,48 @@ from prefix_index.tiers import TierStore
 _INT_BYTES = 36  # a 64-bit hash as a Python int
 
 __all__ = ["MemoryIndex", "RoutedEntries"]
+
+
+def _record_blocks(
+    table: dict[int, int], lru: OrderedDict[int, int], bit: int, hashes: Sequence[int], expiry: int
+) -> None:
+    """Each block of the chain becomes the replica's most recent, leaf first and root last
+    (so the root is the most recent of all, and LRU takes leaves before their prefixes)."""
+    move = lru.move_to_end
+    for h in reversed(hashes):
+        held = table.get(h, 0)
+        if held & bit:
+            move(h)
+        else:
+            table[h] = held | bit
+        lru[h] = expiry
+
+
+def _record_chain(
+    table: dict[int, int], lru: OrderedDict[int, int], bit: int, hashes: Sequence[int], expiry: int
+) -> None:
+    """`_record_blocks` for a replica without holes, whose blocks are prefix-closed: past the
+    last block it holds, every earlier one is held too, so only the new tail is looked at one by
+    one and the held prefix is refreshed by loops that run in C (most records repeat a prefix:
+    a shared system prompt, a conversation's history). A missing block (the invariant broken)
+    falls back to the general loop, which leaves the same order."""
+    get = table.get
+    i = len(hashes)
+    while i and not get(hashes[i - 1], 0) & bit:
+        i -= 1
+    for h in reversed(hashes[i:]):
+        table[h] = get(h, 0) | bit
+        lru[h] = expiry
+    if not i:
+        return
+    held = hashes[:i]
+    try:
+        deque(map(lru.move_to_end, reversed(held)), maxlen=0)
+    except KeyError:
+        _record_blocks(table, lru, bit, hashes, expiry)
+        return
+    if expiry != NEVER:
+        lru.update(zip(held, repeat(expiry)))
 
 
 class MemoryIndex(BoundedScopes, PrefixIndex, EngineEventSink):
@@ -178,21 +221,15 @@ class MemoryIndex(BoundedScopes, PrefixIndex, EngineEventSink):
         if lru is None:
             lru = st.lru[replica] = OrderedDict()
         before = len(lru)
-        table = st.table
-        move = lru.move_to_end
-        for h in reversed(hashes):  # leaf first, root last: the root is the most recent
-            held = table.get(h, 0)
-            if held & bit:
-                move(h)
-            else:
-                table[h] = held | bit
-            lru[h] = expiry
         holes = st.holes.get(replica)
         if holes:
+            _record_blocks(st.table, lru, bit, hashes, expiry)
             for h in hashes:
                 holes.pop(h, None)
             if not holes:
                 del st.holes[replica]
+        else:
+            _record_chain(st.table, lru, bit, hashes, expiry)
         self._grow(st, len(lru) - before)
         self._trim(st, replica, lru, bit)
         if lru and expiry != NEVER:
