@@ -11,9 +11,9 @@ replicas, cold caches, the profiles bench.routing_http uses) and fresh gateway p
 the Redis index; the client sends request i to gateway i mod N at the workload's arrival times,
 streamed. TTFT is the first content chunk (simulated seconds); hit ratio = cached / prompt tokens
 from each answer's usage. Each run gets its own model name and fleet name, so Redis holds nothing
-of another run. The shared-load tick is the default 20 ms of wall time (`--tick-ms` sets it in
-simulated ms), so the gateways spend on it what they would in production; their peers' figures
-are then 60 simulated ms old at worst, more than the 20 ms a real deployment sees. Speedup 3: on
+of another run. The shared-load tick is the default `fleet.publish_interval_ms` of wall time
+(`--tick-ms` sets it in simulated ms), so the gateways spend on it what they would in
+production; pushes carry the load between ticks, 2 ms of wall time (6 simulated) after a change. Speedup 3: on
 2 shared cores, the time a process waits for a core counts 3x in simulated seconds.
 
 Part 2, cost: one gateway before bench.zero_upstream, closed loop, shared load on vs off: its CPU
@@ -44,6 +44,7 @@ import yaml
 
 from bench.routing_http import RUNS, Record, build, kv_tokens, send, simulator_args
 from bench.shapes import ShapedRequest
+from gateway.config_sections import FleetConfig
 from simulator.harness import free_port, simulated_fleet, stop_processes
 from simulator.stats import percentile
 
@@ -63,7 +64,9 @@ def proc_cpu_s(pid: int) -> float:
 
 # --- gateway processes -----------------------------------------------------------------------
 def gateway_config(port: int, urls: Sequence[str], model: str, sharing: bool, fleet: str,
-                   speedup: float, kv: int, tick_ms: float = 20.0) -> dict[str, Any]:  # fmt: skip
+                   speedup: float, kv: int, tick_ms: float | None = None) -> dict[str, Any]:  # fmt: skip
+    if tick_ms is None:  # the config's default tick, in wall ms
+        tick_ms = FleetConfig().publish_interval_ms * speedup
     return {
         "server": {"host": "127.0.0.1", "port": port, "log_level": "warning",
                    "expose_upstream_errors": True},  # fmt: skip
@@ -343,8 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--speedup", type=float, default=SPEEDUP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tick-ms", type=float, default=None,
-                   help="simulated ms between shared-load ticks (default: 20 ms of wall time, "
-                   "the default publish_interval_ms)")
+                   help="simulated ms between shared-load ticks (default: the default "
+                   "fleet.publish_interval_ms of wall time)")
     p.add_argument("--setups", nargs="*", default=None, metavar="N:on|off",
                    help="gateway setups of part 1 (default: 1:on 2:on 4:on 2:off 4:off)")
     p.add_argument("--no-cost", action="store_true", help="skip part 2")
@@ -352,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--load-s", type=float, default=5.0)
     args = p.parse_args(argv)
     if args.tick_ms is None:
-        args.tick_ms = 20.0 * args.speedup
+        args.tick_ms = FleetConfig().publish_interval_ms * args.speedup
     args.setups = SETUPS if args.setups is None else [
         (int(n), on == "on") for n, on in (s.split(":") for s in args.setups)]  # fmt: skip
     return asyncio.run(amain(args))

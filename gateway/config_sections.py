@@ -369,7 +369,8 @@ class FleetConfig(_Strict):
     redis_url: str | None = None  # None: index.redis_url
     name: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     gateway_id: str | None = Field(None, min_length=1, max_length=128)  # None: host-pid-random
-    publish_interval_ms: float = Field(20.0, ge=1, le=10_000)
+    # the tick (liveness, learned sums, the whole picture); the pushes carry load between ticks
+    publish_interval_ms: float = Field(100.0, ge=1, le=10_000)
     # between ticks, own figures are pushed within this long of a change (0: ticks only)
     push_interval_ms: float = Field(2.0, ge=0, le=10_000)
     stale_after_s: float = Field(3.0, gt=0, le=600)

@@ -195,3 +195,40 @@ async def test_tls_and_an_acl_user_from_the_environment(
         await index.aclose()
     finally:
         node.kill()
+
+
+async def shared_load_works(url: str) -> None:
+    """Two gateway apps share their load through `url`: ticks (the fleet's one Lua call) find the
+    peer; with ticks 2 s apart, the requests' start and end reach it by push (PUBLISH on the
+    fleet's lane, the listener's subscription), whatever the topology."""
+    import asyncio
+
+    import aiohttp
+
+    from tests.gateway.fake_replica import Upstream
+    from tests.gateway.test_gw_fleet import fleet_of, peer_inflight, post
+    from tests.support import poll_until
+
+    over = {"fleet": {"redis_url": url, "publish_interval_ms": 2000, "stale_after_s": 30}}
+    async with fleet_of(2, [Upstream("u0", delay_s=0.6)], **over) as (apps, gws, _), \
+            aiohttp.ClientSession() as h:  # fmt: skip
+        await poll_until(lambda: all(a.gateway.fleet.peers == 1 for a in apps), 10)
+        sent = [asyncio.create_task(post(h, gws[0], f"q{i}")) for i in range(2)]
+        await poll_until(lambda: peer_inflight(apps[1]) == 2, 5)
+        assert [s for s, _ in await asyncio.gather(*sent)] == [200, 200]
+        await poll_until(lambda: peer_inflight(apps[1]) == 0, 5)
+        fleet = apps[1].gateway.fleet
+        assert fleet.status == "ok" and fleet.errors == 0
+        assert apps[0].gateway.fleet.push.sent >= 2 and fleet.push.applied >= 2
+
+
+async def test_shared_load_on_a_cluster(three_masters: Cluster) -> None:
+    await shared_load_works(three_masters.url())
+
+
+async def test_shared_load_through_sentinel(tmp_path: Path) -> None:
+    found = sentinel_set(tmp_path, replicas=1)
+    try:
+        await shared_load_works(found.url())
+    finally:
+        found.stop()
