@@ -97,6 +97,15 @@ async def post(h: aiohttp.ClientSession, gw: Served, content: str) -> tuple[int,
         return r.status, orjson.loads(r.headers.get("x-gateway-decision", "{}"))
 
 
+def same_picture(apps: list[Any]) -> bool:
+    """Two gateways see the same placed blocks and have learned the same ttft fit."""
+    placed = [[r.view(0, 0).placed_blocks for r in a.gateway.all_replicas()] for a in apps]
+    scorers = [a.gateway.pools["chat"].policy.scorers[0][0] for a in apps]
+    names = [r.name for r in apps[0].gateway.all_replicas()]
+    fits = [[s.coefficients(n) for n in names] for s in scorers]
+    return placed[0] == placed[1] and fits[0] == fits[1]
+
+
 def peer_inflight(app: Any) -> int:
     return sum(r.peer_inflight for r in app.gateway.all_replicas())
 
@@ -186,12 +195,9 @@ async def test_a_new_prefix_goes_to_the_same_replica_through_either_gateway() ->
             (sa, da), (sb, db) = await asyncio.gather(post(h, gws[0], doc), post(h, gws[1], doc))
             assert (sa, sb) == (200, 200)
             assert da["ranked"][0] == db["ranked"][0], (k, da, db)
-            # both views agree again (the peers' placed blocks folded in) before the next one
-            await poll_until(
-                lambda: [r.view(0, 0).placed_blocks for r in apps[0].gateway.all_replicas()]
-                == [r.view(0, 0).placed_blocks for r in apps[1].gateway.all_replicas()],
-                5,
-            )
+            # both pictures agree again before the next one: the peers' placed blocks folded
+            # in, and the fit each learned from its own answer absorbed by the other
+            await poll_until(lambda: same_picture(apps), 5)
         used = sum(1 for u in ups if u.calls)
         assert used >= 3  # new prefixes still spread over the fleet's caches
 
