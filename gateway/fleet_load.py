@@ -73,11 +73,12 @@ def default_gateway_id() -> str:
 
 
 class _Peer:
-    __slots__ = ("seq", "changed", "body", "raw", "rseq")
+    __slots__ = ("seq", "changed", "body", "raw", "rseq", "lseq")
 
     def __init__(self, seq: int, changed: float, body: dict[str, Any], raw: bytes) -> None:
         self.seq, self.changed, self.body, self.raw = seq, changed, body, raw
         self.rseq = seq  # the seq of the load figures in `body["r"]` (a push may be newer)
+        self.lseq = seq  # ...and of the learned sums in `body["l"]`
 
 
 class FleetLoad:
@@ -97,7 +98,8 @@ class FleetLoad:
         self.interval_s = fc.publish_interval_ms / 1000.0
         # pushes between ticks (gateway/fleet_push.py); None: the tick alone
         self.push = (
-            LoadPush(self, lambda: own_figures(current()), fc.name, fc.push_interval_ms / 1000.0)
+            LoadPush(self, lambda: (own_figures(current()), shared_learning(current())), fc.name,
+                     fc.push_interval_ms / 1000.0)
             if fc.push_interval_ms > 0
             else None
         )
@@ -304,9 +306,10 @@ class FleetLoad:
         return self._seq
 
     def apply_push(self, raw: bytes) -> bool:
-        """A peer's pushed load figures ({"g": id, "s": seq, "r": ...}): taken when newer than
-        what this gateway holds of that peer, and the replicas' peer figures set at once. A
-        peer not seen in the hash yet waits for the tick (its liveness comes from there)."""
+        """A peer's pushed load figures and learned sums ({"g": id, "s": seq, "r": ..., "l":
+        ...}): taken when newer than what this gateway holds of that peer; the replicas' peer
+        figures are set and the policies refitted at once. A peer not seen in the hash yet
+        waits for the tick (its liveness comes from there)."""
         try:
             msg = orjson.loads(raw)
             field, seq, figures = str(msg["g"]).encode(), int(msg["s"]), msg["r"]
@@ -315,11 +318,18 @@ class FleetLoad:
         peer = self._peers.get(field)
         if peer is None or seq <= peer.rseq or not isinstance(figures, dict):
             return False
+        learned = msg.get("l")
         peer.body = {**peer.body, "r": figures}
+        if isinstance(learned, dict):  # a gateway of an older version pushes load alone
+            peer.body["l"], peer.lseq = learned, seq
         peer.rseq = seq
         now = time.monotonic()
         peer.changed = now
-        self._set_load(self._current(), self._live(now))
+        snap, live = self._current(), self._live(now)
+        self._set_load(snap, live)
+        if isinstance(learned, dict):
+            for name, pool in snap.pools.items():
+                self._absorb(name, pool, live)
         return True
 
     def _live(self, now: float) -> list[dict[str, Any]]:
@@ -339,10 +349,12 @@ class FleetLoad:
             if old.seq != seq:
                 if old.rseq > seq:  # a push after this field was written: its figures are newer
                     body["r"] = old.body.get("r")
+                if old.lseq > seq:
+                    body["l"] = old.body.get("l")
                 if body.get("r") != old.body.get("r") or body.get("l") != old.body.get("l"):
                     self._moved = True  # new figures, not only a heartbeat
                 old.seq, old.changed, old.body, old.raw = seq, now, body, raw
-                old.rseq = max(old.rseq, seq)
+                old.rseq, old.lseq = max(old.rseq, seq), max(old.lseq, seq)
             return old
         self._moved = True
         # first sight: as old as its writer's clock says (a dead gateway's field is not counted)

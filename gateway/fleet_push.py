@@ -9,7 +9,12 @@ replaying the public trace lost 13-19 % of TTFT mean to one gateway at a 20 ms t
 1 ms. A push arrives one Redis round trip after the change, and costs nothing while the
 figures stand still.
 
-    kvgw:fleet:{<fleet.name>}:push   PUBLISH   orjson {"g": gateway_id, "s": seq, "r": {...}}
+    kvgw:fleet:{<fleet.name>}:push   PUBLISH   orjson {"g": gateway_id, "s": seq, "r": {...},
+                                                       "l": {...}}
+
+`r` and `l` are what the tick's hash field carries (load figures, learned sums): a request's end
+moves both, and a peer that learned from it a tick later than it saw the load end could send a
+new prefix elsewhere than this gateway would (the `ttft` fit decides the near ties).
 
 `s` comes from the tick's counter, so a reader keeps whichever of push and hash field is newer.
 A replica's figures moving (dispatch, first token, end) wakes the publisher
@@ -42,11 +47,11 @@ class LoadPush:
     """The publisher and the listener of one gateway's pushes."""
 
     def __init__(
-        self, fleet: FleetLoad, figures: Callable[[], dict[str, list[int]]], name: str,
+        self, fleet: FleetLoad, mine: Callable[[], tuple[dict[str, list[int]], Any]], name: str,
         interval_s: float,
     ) -> None:  # fmt: skip
         self.fleet = fleet
-        self._figures = figures  # this gateway's own per-replica figures, now
+        self._mine = mine  # this gateway's own per-replica figures and learned sums, now
         self.channel = CHANNEL % name
         self.interval_s = interval_s
         self.sent = 0  # pushes published
@@ -73,16 +78,16 @@ class LoadPush:
 
     async def _publish(self) -> None:
         fleet = self.fleet
-        last: dict[str, list[int]] | None = None
+        last: tuple[dict[str, list[int]], Any] | None = None
         gid = fleet.gateway_id
         while True:
             await self._wake.wait()
             await asyncio.sleep(self.interval_s)  # the changes of one interval go together
             self._wake.clear()
-            mine = self._figures()
+            mine = self._mine()
             if mine == last:
                 continue
-            body = orjson.dumps({"g": gid, "s": fleet.next_seq(), "r": mine})
+            body = orjson.dumps({"g": gid, "s": fleet.next_seq(), "r": mine[0], "l": mine[1]})
             try:
                 await fleet.call(b"PUBLISH", self.channel.encode(), body)
             except OUTAGE:

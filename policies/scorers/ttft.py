@@ -21,7 +21,7 @@ against the fit), and those TTFTs enter the fit without it. Replicas without LoR
 
 Across a fleet of gateways (shared load, gateway/fleet_load.py) each gateway shares its own
 decayed sums (`share`) and folds in the others' (`absorb`): the sums add, so every gateway fits
-the same coefficients from all of the fleet's observations (as of the last tick).
+the same coefficients from all of the fleet's observations (as of the last tick or push).
 
 Blocks a replica holds on a lower KV tier (`ReplicaView.tier_hits`: host memory, disk, the
 pool's shared store; docs/tiers.md) are priced in seconds by default (`tiers: seconds`): they

@@ -247,3 +247,23 @@ async def test_pushes_carry_load_between_ticks() -> None:
         assert push is not None and push.applied >= 2  # start and end came by push
         assert apps[1].gateway.fleet.ticks - ticks <= 1  # at most one tick in between
         assert apps[0].gateway.fleet.push.sent >= 2
+
+
+async def test_pushes_carry_the_learned_fit_without_ticks() -> None:
+    """A request's end moves the load and the ttft fit together: with both gateways' ticks
+    stopped once they know each other, the peer still learns from the other's answers, by push
+    alone, to the same coefficients."""
+    slow = {"fleet": {"publish_interval_ms": 2000, "stale_after_s": 30, "push_interval_ms": 2}}
+    async with fleet_of(2, [Upstream("u0", delay_s=0.2)], **slow) as (apps, gws, _), \
+            aiohttp.ClientSession() as h:  # fmt: skip
+        await poll_until(lambda: all(a.gateway.fleet.peers == 1 for a in apps), 10)
+        for a in apps:  # no more ticks: what follows can only come by push
+            a.gateway.fleet._task.cancel()
+        ticks = [a.gateway.fleet.ticks for a in apps]
+        scorer_a, scorer_b = (a.gateway.pools["chat"].policy.scorers[0][0] for a in apps)
+        before = scorer_b.coefficients("r0")
+        assert [s for s, _ in await asyncio.gather(*(post(h, gws[0], f"f{i}") for i in range(3)))] \
+            == [200] * 3
+        await poll_until(lambda: scorer_b.coefficients("r0") == scorer_a.coefficients("r0"), 5)
+        assert scorer_b.coefficients("r0") != before  # learned from A's answers
+        assert [a.gateway.fleet.ticks for a in apps] == ticks
