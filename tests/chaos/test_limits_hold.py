@@ -35,7 +35,8 @@ BACKENDS = ["memory", "redis"]
 async def _drop_keys(pattern: str) -> None:
     r = Redis.from_url(REDIS_URL)
     try:
-        keys = [k async for k in r.scan_iter(match=pattern)]
+        # count: a Redis that also holds other runs' keys (benchmarks) is walked in few calls
+        keys = [k async for k in r.scan_iter(match=pattern, count=1000)]
         if keys:
             await r.delete(*keys)
     finally:
