@@ -10,7 +10,9 @@ system-prompt workload; the exact client bodies of bench.shapes) and each setup 
 replicas, cold caches, the profiles bench.routing_http uses) and fresh gateway processes sharing
 the Redis index; the client sends request i to gateway i mod N at the workload's arrival times,
 streamed. TTFT is the first content chunk (simulated seconds); hit ratio = cached / prompt tokens
-from each answer's usage. Each run gets its own model name and fleet name, so Redis holds nothing
+from each answer's usage; gateway CPU is the gateway processes' CPU over one replay, summed over
+the gateways (the mean of the runs): on 2 shared cores it is also CPU the simulated replicas
+wait for. Each run gets its own model name and fleet name, so Redis holds nothing
 of another run. The shared-load tick is the default `fleet.publish_interval_ms` of wall time
 (`--tick-ms` sets it in simulated ms), so the gateways spend on it what they would in
 production; pushes carry the load between ticks, 2 ms of wall time (6 simulated) after a change. Speedup 3: on
@@ -141,6 +143,7 @@ class Row:
     sharing: bool
     records: list[Record]
     errors: list[str]
+    cpu_s: list[float] = dataclasses.field(default_factory=list)  # the gateways' CPU, per run
 
     def fig(self) -> dict[str, float]:
         ttft = [r.ttft_s for r in self.records]
@@ -150,6 +153,7 @@ class Row:
             "ttft_p99": percentile(ttft, 99),
             "hit": sum(r.cached_tokens for r in self.records) / prompt if prompt else 0.0,
             "errors": float(len(self.errors)),
+            "cpu_s": statistics.fmean(self.cpu_s) if self.cpu_s else math.nan,
         }
 
 
@@ -193,18 +197,22 @@ async def routing(args: argparse.Namespace, tmp: Path) -> list[Row]:
                     speedup=args.speedup, kv=kv_tokens(run.engine), tick_ms=args.tick_ms,
                 ) as gws:  # fmt: skip
                     t0 = time.perf_counter()
+                    cpu0 = sum(proc_cpu_s(p.pid) for p, _ in gws)
                     recs, errs = await replay([u for _, u in gws], shaped, model, args.speedup)
-                one = Row(workload, n, sharing, recs, errs)
+                    cpu = sum(proc_cpu_s(p.pid) for p, _ in gws) - cpu0
+                one = Row(workload, n, sharing, recs, errs, [cpu])
                 f = one.fig()
                 log(f"{workload:<7} #{rep + 1} {n} gw sharing {label(one):<3} "
                     f"{time.perf_counter() - t0:5.1f}s  TTFT mean {f['ttft_mean']:.3f} "
-                    f"p99 {f['ttft_p99']:.3f}  hit {f['hit']:.3f}  errors {len(errs)}"
+                    f"p99 {f['ttft_p99']:.3f}  hit {f['hit']:.3f}  gateway CPU {cpu:.2f}s  "
+                    f"errors {len(errs)}"
                     + (f"  ({skipped} over max_model_len skipped)" if skipped else ""))  # fmt: skip
                 for e in errs[:3]:
                     log(f"    error: {e}")
                 row = rows.setdefault((workload, n, sharing), Row(workload, n, sharing, [], []))
                 row.records += recs
                 row.errors += errs
+                row.cpu_s.append(cpu)
     return list(rows.values())
 
 
@@ -215,8 +223,8 @@ def label(r: Row) -> str:
 def routing_table(rows: Sequence[Row]) -> str:
     lines = [
         "| workload | gateways | sharing | TTFT mean (s) | TTFT p99 (s) | hit | mean vs 1 | "
-        "p99 vs 1 | hit vs 1 | errors | goal (<= 1.10x, >= 0.90) |",
-        "| --- | ---: | --- |" + " ---: |" * 7 + " --- |",
+        "p99 vs 1 | hit vs 1 | errors | gateway CPU (s) | goal (<= 1.10x, >= 0.90) |",
+        "| --- | ---: | --- |" + " ---: |" * 8 + " --- |",
     ]
     for r in rows:
         one = next(x for x in rows if x.workload == r.workload and x.gateways == 1).fig()
@@ -228,7 +236,7 @@ def routing_table(rows: Sequence[Row]) -> str:
         lines.append(
             f"| {r.workload} | {r.gateways} | {label(r)} | "
             f"{f['ttft_mean']:.3f} | {f['ttft_p99']:.3f} | {f['hit']:.3f} | {vs[0]:.2f}x | "
-            f"{vs[1]:.2f}x | {vs[2]:.2f} | {int(f['errors'])} | {goal} |"
+            f"{vs[1]:.2f}x | {vs[2]:.2f} | {int(f['errors'])} | {f['cpu_s']:.2f} | {goal} |"
         )
     return "\n".join(lines)
 
