@@ -30,21 +30,19 @@ import orjson
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from prefix_index import MemoryIndex, PrefixIndex
 from prefix_index._fastlane import ClusterLane, FastLane, Lane
 from prefix_index.redis_client import Client, open_redis, redact_url
 
 from .config import Config
-from .fleet_push import LoadPush
+from .fleet_push import FLEET_OUTAGE, LoadPush
 from .snapshot import Snapshot
 
 log = logging.getLogger("gateway.fleet")
 
 KEY = "kvgw:fleet:{%s}:load"  # the hash tag keeps the fleet's key in one Cluster slot
 _GONE_FACTOR = 10  # a field unchanged for this many stale_after_s is deleted
-_OUTAGE = (RedisError, OSError, TimeoutError)
 QUIET_TICKS, IDLE_FACTOR = 10, 5  # an idle fleet ticks 5x less often (no figure has moved)
 # One tick, one round trip: write this gateway's field (ARGV[1] = field, '' = a read alone;
 # ARGV[2] = body, ARGV[3] = the key's TTL in ms), delete the fields of peers gone (ARGV[4..]),
@@ -144,7 +142,7 @@ class FleetLoad:
             await self._lane.reset()
             self._lane = None
         if self._client is not None:
-            with contextlib.suppress(*_OUTAGE):
+            with contextlib.suppress(*FLEET_OUTAGE):
                 async with asyncio.timeout(self.timeout_s):
                     await self._client.hdel(self.key, self.gateway_id)
             await self._client.aclose()
@@ -228,7 +226,7 @@ class FleetLoad:
         args += self._gone
         try:
             flat = await self.call(*args)
-        except _OUTAGE as exc:
+        except FLEET_OUTAGE as exc:
             self.errors += 1
             if self.status == OK:
                 log.warning(

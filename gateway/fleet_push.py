@@ -32,8 +32,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from redis.exceptions import RedisError
 
 from prefix_index.redis_client import OUTAGE
+
+# What ends a tick or a push without ending the fleet's tasks: Redis going away (the index's
+# list, with redis-py's cluster races), and any refusal besides (a demoted master's READONLY):
+# the shared load is then down until a tick gets through.
+FLEET_OUTAGE = (RedisError, *OUTAGE)
 
 if TYPE_CHECKING:
     from .fleet_load import FleetLoad
@@ -90,7 +96,7 @@ class LoadPush:
             body = orjson.dumps({"g": gid, "s": fleet.next_seq(), "r": mine[0], "l": mine[1]})
             try:
                 await fleet.call(b"PUBLISH", self.channel.encode(), body)
-            except OUTAGE:
+            except FLEET_OUTAGE:
                 continue  # the tick says Redis is out; try again at the next change
             last = mine
             self.sent += 1
@@ -106,12 +112,12 @@ class LoadPush:
                 async for msg in pubsub.listen():
                     if msg.get("type") == "message" and self.fleet.apply_push(msg["data"]):
                         self.applied += 1
-            except OUTAGE as exc:
+            except FLEET_OUTAGE as exc:
                 log.debug("fleet push listener: %s: %s", type(exc).__name__, exc)
             except Exception:  # never a dead listener: the pushes would stop without a word
                 log.exception("fleet push listener failed; subscribing again in 1 s")
             finally:
                 if pubsub is not None:
-                    with contextlib.suppress(*OUTAGE):
+                    with contextlib.suppress(*FLEET_OUTAGE):
                         await pubsub.aclose()
             await asyncio.sleep(1.0)
