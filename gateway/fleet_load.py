@@ -96,8 +96,7 @@ class FleetLoad:
         self.interval_s = fc.publish_interval_ms / 1000.0
         # pushes between ticks (gateway/fleet_push.py); None: the tick alone
         self.push = (
-            LoadPush(self, lambda: (own_figures(current()), shared_learning(current())), fc.name,
-                     fc.push_interval_ms / 1000.0)
+            LoadPush(self, lambda: own_state(current()), fc.name, fc.push_interval_ms / 1000.0)
             if fc.push_interval_ms > 0
             else None
         )
@@ -214,7 +213,7 @@ class FleetLoad:
         """Publish and read once; False when Redis did not answer (peers then age out)."""
         t0 = time.perf_counter()
         snap = self._current()
-        mine = (own_figures(snap), shared_learning(snap))
+        mine = own_state(snap)
         # publish what changed, and a heartbeat a few times per stale_after_s; read every tick
         publish = (mine != self._published or self.status == DOWN
                    or t0 - self._published_at >= self.stale_after_s / 4)  # fmt: skip
@@ -375,6 +374,11 @@ class FleetLoad:
                 for peer in got
             ]
         )
+
+
+def own_state(snap: Snapshot) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    """What this gateway publishes, by tick and by push: its load figures, its learned sums."""
+    return own_figures(snap), shared_learning(snap)
 
 
 def own_figures(snap: Snapshot) -> dict[str, list[int]]:
