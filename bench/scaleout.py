@@ -12,11 +12,11 @@ the Redis index; the client sends request i to gateway i mod N at the workload's
 streamed. TTFT is the first content chunk (simulated seconds); hit ratio = cached / prompt tokens
 from each answer's usage; gateway CPU is the gateway processes' CPU over one replay, summed over
 the gateways (the mean of the runs): on 2 shared cores it is also CPU the simulated replicas
-wait for. Each run gets its own model name and fleet name, so Redis holds nothing
-of another run. The shared-load tick is the default `fleet.publish_interval_ms` of wall time
-(`--tick-ms` sets it in simulated ms), so the gateways spend on it what they would in
-production; pushes carry the load between ticks, 2 ms of wall time (6 simulated) after a change. Speedup 3: on
-2 shared cores, the time a process waits for a core counts 3x in simulated seconds.
+wait for. Each run gets its own model name and fleet name, so Redis holds nothing of another
+run. The shared-load tick is the default `fleet.publish_interval_ms` of wall time (`--tick-ms`
+sets it in simulated ms), so the gateways spend on it what they would in production; pushes
+carry the load between ticks, 2 ms of wall time (6 simulated) after a change. Speedup 3: on 2
+shared cores, the time a process waits for a core counts 3x in simulated seconds.
 
 Part 2, cost: one gateway before bench.zero_upstream, closed loop, shared load on vs off: its CPU
 per request, and idle, its CPU per tick and the round trips per second (one per tick).
@@ -65,10 +65,14 @@ def proc_cpu_s(pid: int) -> float:
 
 
 # --- gateway processes -----------------------------------------------------------------------
+def default_tick_ms(speedup: float) -> float:
+    """The config's default tick of wall time, in simulated ms."""
+    return FleetConfig().publish_interval_ms * speedup
+
+
 def gateway_config(port: int, urls: Sequence[str], model: str, sharing: bool, fleet: str,
                    speedup: float, kv: int, tick_ms: float | None = None) -> dict[str, Any]:  # fmt: skip
-    if tick_ms is None:  # the config's default tick, in wall ms
-        tick_ms = FleetConfig().publish_interval_ms * speedup
+    tick_ms = default_tick_ms(speedup) if tick_ms is None else tick_ms
     return {
         "server": {"host": "127.0.0.1", "port": port, "log_level": "warning",
                    "expose_upstream_errors": True},  # fmt: skip
@@ -363,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--load-s", type=float, default=5.0)
     args = p.parse_args(argv)
     if args.tick_ms is None:
-        args.tick_ms = FleetConfig().publish_interval_ms * args.speedup
+        args.tick_ms = default_tick_ms(args.speedup)
     args.setups = SETUPS if args.setups is None else [
         (int(n), on == "on") for n, on in (s.split(":") for s in args.setups)]  # fmt: skip
     return asyncio.run(amain(args))
