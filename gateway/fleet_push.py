@@ -18,9 +18,13 @@ new prefix elsewhere than this gateway would (the `ttft` fit decides the near ti
 
 `s` comes from the tick's counter, so a reader keeps whichever of push and hash field is newer.
 A replica's figures moving (dispatch, first token, end) wakes the publisher
-(`ReplicaState.on_load`, one Event.set on the request path); it waits one interval for the
-changes that follow, then publishes once if the figures differ from its last push. Idle, it
-costs nothing. Redis out: the tick reports it; the listener retries every second.
+(`ReplicaState.on_load`, one Event.set on the request path); it publishes at most once per
+interval, if the figures differ from its last push: the first change after a quiet interval at
+once, the changes that follow within the interval together at its end. Waiting an interval
+before every push (as before) put 2 ms on the median push: 3.8 ms from a change to a peer's
+applying it, 1.8 ms without the wait (bench.scaleout's system workload, 4 gateways): requests
+that arrive a few ms apart at different gateways are what a push-old picture sends to the same
+idle replica, each gateway unaware of the other's. Idle, it costs nothing. Redis out: the tick reports it; the listener retries every second.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -86,9 +91,15 @@ class LoadPush:
         fleet = self.fleet
         last: tuple[dict[str, list[int]], Any] | None = None
         gid = fleet.gateway_id
+        loop = asyncio.get_running_loop()
+        sent_at = -math.inf
         while True:
             await self._wake.wait()
-            await asyncio.sleep(self.interval_s)  # the changes of one interval go together
+            # at most one push per interval: the first change after a quiet interval goes at
+            # once, the changes that follow it within the interval go together in the next
+            wait = sent_at + self.interval_s - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
             self._wake.clear()
             mine = self._mine()
             if mine == last:
@@ -98,7 +109,7 @@ class LoadPush:
                 await fleet.call(b"PUBLISH", self.channel.encode(), body)
             except FLEET_OUTAGE:
                 continue  # the tick says Redis is out; try again at the next change
-            last = mine
+            last, sent_at = mine, loop.time()
             self.sent += 1
 
     async def _listen(self) -> None:

@@ -249,6 +249,28 @@ async def test_pushes_carry_load_between_ticks() -> None:
         assert apps[0].gateway.fleet.push.sent >= 2
 
 
+async def test_the_first_change_after_a_quiet_interval_is_pushed_at_once() -> None:
+    """The push interval throttles, it does not delay: with pushes at most every 5 s and ticks
+    10 s apart, a request's start reaches the peer at once; a second start within the interval
+    waits for its end (one push, not two)."""
+    slow = {"fleet": {"publish_interval_ms": 10_000, "stale_after_s": 60, "push_interval_ms": 5000}}
+    async with fleet_of(2, [Upstream("u0", delay_s=3.0)], **slow) as (apps, gws, _), \
+            aiohttp.ClientSession() as h:  # fmt: skip
+        await poll_until(lambda: apps[1].gateway.fleet.peers == 1, 10)  # its first tick
+        push = apps[0].gateway.fleet.push
+        assert push is not None and push.sent == 0
+        sent = [asyncio.create_task(post(h, gws[0], "first"))]
+        await poll_until(lambda: peer_inflight(apps[1]) == 1, 1.5)  # not 5 s later
+        assert push.sent == 1
+        sent.append(asyncio.create_task(post(h, gws[0], "second")))
+        await poll_until(lambda: apps[0].gateway.all_replicas()[0].inflight == 2, 1.5)
+        await asyncio.sleep(0.3)
+        assert push.sent == 1 and peer_inflight(apps[1]) == 1  # held for the interval's end
+        for t in sent:
+            t.cancel()
+        await asyncio.gather(*sent, return_exceptions=True)
+
+
 async def test_pushes_carry_the_learned_fit_without_ticks() -> None:
     """A request's end moves the load and the ttft fit together: with both gateways' ticks
     stopped once they know each other, the peer still learns from the other's answers, by push
