@@ -89,8 +89,8 @@ async def test_a_restart_without_persistence_is_refilled_when_redis_is_back(
             await index.record(f"m:{s}", "r1", chain)
         await asyncio.sleep(0.3)  # the marker is written at the first check
         node.kill()
-        node.start()  # same port, empty
-        assert await reader.match("m:3", chains[3], ["r1"]) == {"r1": 0}  # Redis forgot
+        node.start()  # same port, empty: the index finds its marker gone (no read of the
+        # reader's here: the index can refill the node before that read, one flake in ~10 runs)
         deadline = time.monotonic() + 10
         while index.health.rebuilds == 0:
             assert time.monotonic() < deadline, index.health
