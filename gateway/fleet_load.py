@@ -5,11 +5,12 @@ One hash per fleet, one field per gateway (docs/scaleout.md):
 
     kvgw:fleet:{<fleet.name>}:load   HASH   <gateway_id> -> orjson {"s": seq, "t": unix s,
         "r": {replica url: [in-flight requests, uncached prompt tokens queued, placed blocks]},
-        "l": {pool: {plugin: {replica url: numbers}}}}      (`Policy.share()`, by URL)
+        "l": {pool: {plugin: {replica url: numbers}}},      (`Policy.share()`, by URL)
+        "m": {replica url: [seq, load sample, LoRA info]}}  (gateway/fleet_scrape.py)
 
-A tick is one pipelined round trip (HSET own field, PEXPIRE, HGETALL). A peer whose `seq` has
-not moved for `stale_after_s` (by this gateway's clock, so clock skew does not matter) no longer
-counts; its field is deleted after ten times that. A gateway that stops deletes its own field.
+A tick is one round trip (one Lua call: HSET own field, PEXPIRE, HDEL of the long dead, HGETALL).
+A peer whose `seq` has not moved for `stale_after_s` (by this gateway's clock, so clock skew does
+not matter) no longer counts; its field is deleted after ten times that. A gateway that stops deletes its own field.
 Redis down: one warning, peers' figures age out as above (own-only load), retried with backoff.
 Replicas are keyed by URL, which names the engine whatever each gateway's config calls it.
 """
@@ -37,6 +38,7 @@ from prefix_index.redis_client import Client, open_redis, redact_url
 
 from .config import Config
 from .fleet_push import FLEET_OUTAGE, LoadPush
+from .fleet_scrape import ScrapeShare, replicas_by_url
 from .snapshot import Snapshot
 
 log = logging.getLogger("gateway.fleet")
@@ -71,12 +73,13 @@ def default_gateway_id() -> str:
 
 
 class _Peer:
-    __slots__ = ("seq", "changed", "body", "raw", "rseq", "lseq")
+    __slots__ = ("seq", "changed", "body", "raw", "rseq", "lseq", "scrapes")
 
     def __init__(self, seq: int, changed: float, body: dict[str, Any], raw: bytes) -> None:
         self.seq, self.changed, self.body, self.raw = seq, changed, body, raw
         self.rseq = seq  # the seq of the load figures in `body["r"]` (a push may be newer)
         self.lseq = seq  # ...and of the learned sums in `body["l"]`
+        self.scrapes: dict[str, int] = {}  # url -> seq of its shared sample last taken
 
 
 class FleetLoad:
@@ -101,6 +104,7 @@ class FleetLoad:
             else None
         )
         self.stale_after_s = fc.stale_after_s
+        self.scrapes = ScrapeShare(self.gateway_id)  # who scrapes which replica (fleet_scrape.py)
         self.timeout_s = max(0.25, 5 * self.interval_s)
         self._url = fc.redis_url or config.index.redis_url
         self._client = client
@@ -220,7 +224,8 @@ class FleetLoad:
         ttl_ms = int(self.stale_after_s * _GONE_FACTOR * 1000)
         args = [b"EVALSHA", TICK_SHA, b"1", self.key.encode(), b"", b"", b"%d" % ttl_ms]
         if publish:
-            body = {"s": self.next_seq(), "t": time.time(), "r": mine[0], "l": mine[1]}
+            body = {"s": self.next_seq(), "t": time.time(), "r": mine[0], "l": mine[1],
+                    "m": self.scrapes.payload(snap.replicas())}  # fmt: skip
             args[4], args[5] = self.gateway_id.encode(), orjson.dumps(body)
         args += self._gone
         try:
@@ -266,11 +271,16 @@ class FleetLoad:
                 if peer is not None:
                     seen[field] = peer
             self._peers = seen
-        live = self._live(now)
+        peers = self._live_peers(now)
+        live = [p.body for p in peers.values()]
         self._gone = [f for f, p in self._peers.items()
                       if now - p.changed > self.stale_after_s * _GONE_FACTOR]  # fmt: skip
         self.peers = len(live)
+        self.scrapes.set_live((f for f, p in peers.items() if "m" in p.body), fields is not None)
         self._set_load(snap, live)
+        by_url = replicas_by_url(snap.replicas()) if peers else {}
+        for peer in peers.values():
+            self.scrapes.take(peer.scrapes, peer.body.get("m"), by_url)
         for name, pool in snap.pools.items():
             self._absorb(name, pool, live)
 
@@ -288,7 +298,7 @@ class FleetLoad:
         for name, pool in snap.pools.items():
             freed = False
             for r in pool.replicas:
-                r.on_load = poke
+                r.on_load, r.scrape_here = poke, self.scrapes.owns
                 n, tokens, placed = sums.get(r.url, (0, 0, 0))
                 freed = freed or n < r.peer_inflight
                 r.peer_inflight, r.peer_prompt_tokens, r.peer_placed_blocks = n, tokens, placed
@@ -330,8 +340,13 @@ class FleetLoad:
         return True
 
     def _live(self, now: float) -> list[dict[str, Any]]:
-        """The bodies of the peers that still count (changed within stale_after_s)."""
-        return [p.body for p in self._peers.values() if now - p.changed <= self.stale_after_s]
+        """The bodies of the peers that still count."""
+        return [p.body for p in self._live_peers(now).values()]
+
+    def _live_peers(self, now: float) -> dict[bytes, _Peer]:
+        """The peers that still count (changed within stale_after_s), by field."""
+        stale = self.stale_after_s
+        return {f: p for f, p in self._peers.items() if now - p.changed <= stale}
 
     def _update(self, field: bytes, raw: bytes, now: float) -> _Peer | None:
         old = self._peers.get(field)
@@ -447,6 +462,19 @@ class _FleetCollector(Collector):
         yield CounterMetricFamily(
             "gateway_fleet_tick_seconds", "Wall time spent in shared-load ticks.", value=f.tick_s
         )
+        yield CounterMetricFamily(
+            "gateway_fleet_scrapes_taken",
+            "Replica load samples taken from the gateway of the fleet that scrapes the replica.",
+            value=f.scrapes.applied,
+        )
+        scraped = GaugeMetricFamily(
+            "gateway_fleet_scraping_replicas",
+            "1 for a replica this gateway scrapes for the fleet, 0 for one a peer scrapes.",
+            labels=["pool", "replica"],
+        )
+        for r in self._current().replicas():
+            scraped.add_metric([r.pool, r.name], 1.0 if f.scrapes.owns(r.url) else 0.0)
+        yield scraped
         push = f.push
         yield CounterMetricFamily(
             "gateway_fleet_pushes_sent",

@@ -27,6 +27,7 @@ from policies.types import LoraView
 from .control_client import CONTROL_ERRORS, ControlClient, fetch, model_cards
 
 LORA_INFO = "vllm:lora_requests_info"
+LoraInfo = tuple[frozenset[str], int | None]  # (adapters with requests in flight, max_lora)
 DEFAULT_MAX_LORAS = 1  # vLLM's --max-loras default, until the metric says otherwise
 _MAX_ADAPTERS = 4096  # bound on the names kept per replica
 DEMAND_DECAY = 0.97  # per request sent to the replica: demand is over its last ~30 requests
@@ -41,7 +42,7 @@ def adapters_of(cards: Iterable[Mapping[str, Any]]) -> tuple[frozenset[str], fro
     return frozenset(adapters), frozenset(base)
 
 
-def parse_lora_info(text: str) -> tuple[frozenset[str], int | None] | None:
+def parse_lora_info(text: str) -> LoraInfo | None:
     """(adapters with requests in flight, max_lora) from the newest `vllm:lora_requests_info`
     series of a scrape; None when the family is absent (no LoRA info, not an error)."""
     best: tuple[float, str] | None = None

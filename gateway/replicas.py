@@ -17,7 +17,7 @@ from policies.types import ReplicaView
 
 from .config import HealthConfig, PoolConfig, ReplicaConfig, ScrapeConfig
 from .control_client import CONTROL_ERRORS, ControlClient, fetch, status_of
-from .lora import LORA_INFO, ReplicaAdapters, parse_lora_info, refresh_models
+from .lora import LORA_INFO, LoraInfo, ReplicaAdapters, parse_lora_info, refresh_models
 from .scrape import LoadSample, parse_metrics
 from .tier_load import TierLoadMeter
 
@@ -94,6 +94,16 @@ class ReplicaState:
     # its in-flight figures moved: the fleet's push publisher (gateway/fleet_push.py), set by
     # the shared-load tick; None when load is not shared
     on_load: Callable[[], None] | None = field(default=None, repr=False)
+    # with shared load, whether this gateway is the one of its fleet that scrapes the replica
+    # (by URL; the others take its samples by tick, gateway/fleet_scrape.py); None: it is
+    scrape_here: Callable[[str], bool] | None = field(default=None, repr=False)
+    # this gateway's own last scrape, what the fleet tick shares: (seq, when, sample, LoRA info)
+    own_scrape: tuple[int, float, LoadSample, LoraInfo | None] | None = field(
+        default=None, repr=False
+    )
+    # the engine reported a new KV geometry (`engine_kv`): set by its ReplicaMonitor, which
+    # sizes the replica in the index by it
+    on_engine_kv: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
     _idle: asyncio.Event | None = field(default=None, repr=False)
 
     @classmethod
@@ -178,6 +188,23 @@ class ReplicaState:
         self.scraped, self.scraped_at = sample, now
         self.tier_load.update(sample)
 
+    def took_scrape(self, sample: LoadSample, lora: LoraInfo | None, now: float) -> None:
+        """What one scrape says, this gateway's or (shared load) the fleet's scraper's: the load,
+        the adapters in flight, the engine's KV geometry (`on_engine_kv` when it is new)."""
+        self.took_sample(sample, now)
+        if lora is not None:  # adapters in flight, by the newest series (gateway/lora.py)
+            self.lora.set_metric(lora[0], lora[1], self.lora_max)
+        tokens = sample.kv_tokens
+        if tokens is not None and sample.block_size is not None:
+            kv = (sample.block_size, tokens)
+            if kv != self.engine_kv:
+                self.engine_kv = kv
+                if self.on_engine_kv is not None:
+                    self.on_engine_kv(self)
+
+    def scrapes_here(self) -> bool:
+        return self.scrape_here is None or self.scrape_here(self.url)
+
     def has_slot(self) -> bool:
         """Below `max_inflight` counting every gateway's requests (own + peers' last tick)."""
         return self.inflight + self.peer_inflight < self.max_inflight
@@ -240,7 +267,7 @@ class ReplicaMonitor:
         self.client = client
         self.health = health
         self.scrape = scrape
-        self.on_engine_kv = on_engine_kv
+        replica.on_engine_kv = on_engine_kv
         self._tasks: list[asyncio.Task[None]] = []
         self._scrape_failing = False
         self.models_refresh_s = 5.0  # pools.<p>.lora.refresh_s
@@ -294,18 +321,10 @@ class ReplicaMonitor:
             log.info("replica %s: metrics scrape recovered", r.name)
             self._scrape_failing = False
         sample = parse_metrics(text)
-        r.took_sample(sample, time.monotonic())
-        if LORA_INFO in text:  # adapters in flight, by the newest series (gateway/lora.py)
-            info = parse_lora_info(text)
-            if info is not None:
-                r.lora.set_metric(info[0], info[1], r.lora_max)
-        tokens = sample.kv_tokens
-        if tokens is not None and sample.block_size is not None:
-            kv = (sample.block_size, tokens)
-            if kv != r.engine_kv:
-                r.engine_kv = kv
-                if self.on_engine_kv is not None:
-                    self.on_engine_kv(r)
+        lora = parse_lora_info(text) if LORA_INFO in text else None
+        now = time.monotonic()
+        r.took_scrape(sample, lora, now)
+        r.own_scrape = (r.own_scrape[0] + 1 if r.own_scrape else 1, now, sample, lora)
         return sample
 
     async def _probe_loop(self) -> None:
@@ -316,7 +335,8 @@ class ReplicaMonitor:
     async def _scrape_loop(self) -> None:
         models_at = 0.0
         while True:
-            await self.scrape_once()
+            if self.replica.scrapes_here():  # with shared load, one gateway of the fleet does
+                await self.scrape_once()
             if time.monotonic() >= models_at:  # its adapters (/v1/models), every refresh_s
                 models_at = time.monotonic() + self.models_refresh_s
                 await refresh_models(self.client, self.replica.url, self.replica.lora)

@@ -289,3 +289,45 @@ async def test_pushes_carry_the_learned_fit_without_ticks() -> None:
         await poll_until(lambda: scorer_b.coefficients("r0") == scorer_a.coefficients("r0"), 5)
         assert scorer_b.coefficients("r0") != before  # learned from A's answers
         assert [a.gateway.fleet.ticks for a in apps] == ticks
+
+
+def own_scrapes(app: Any) -> dict[str, int]:
+    """Replica name -> how many times this gateway scraped it itself."""
+    return {r.name: r.own_scrape[0] if r.own_scrape else 0 for r in app.gateway.all_replicas()}
+
+
+async def test_each_replica_is_scraped_by_one_gateway_and_every_gateway_has_its_load() -> None:
+    """Shared scrapes (gateway/fleet_scrape.py): once the gateways know each other, each replica's
+    /metrics is fetched by one of them, the other takes the sample from the fleet's hash, and
+    both see the load the replica reports; when the scraper stops, the other scrapes it again."""
+    scrape = {"pool": {"scrape": {"enabled": True, "interval_s": 0.05, "stale_after_s": 2.0}}}
+    ups = [Upstream(f"u{i}", delay_s=2.0) for i in range(4)]
+    async with fleet_of(2, ups, **scrape) as (apps, gws, _), aiohttp.ClientSession() as h:
+        await poll_until(lambda: all(a.gateway.fleet.peers == 1 for a in apps), 10)
+        fleets = [a.gateway.fleet for a in apps]
+        names = {r.url: r.name for r in apps[0].gateway.all_replicas()}
+        owner = {names[u]: [f.scrapes.owns(u) for f in fleets] for u in names}
+        assert all(sum(o) == 1 for o in owner.values()), owner  # one scraper per replica
+        await asyncio.sleep(0.3)  # a tick or two: the others have stopped scraping it
+        before = [own_scrapes(a) for a in apps]
+        sent = [asyncio.create_task(post(h, gws[0], f"s{i}")) for i in range(3)]
+        await poll_until(lambda: sum(u.calls for u in ups) == 3, 5)
+
+        def running(app: Any) -> int:
+            fresh = [r.scraped for r in app.gateway.all_replicas() if r.scraped is not None]
+            return sum(int(s.running or 0) for s in fresh)
+
+        await poll_until(lambda: running(apps[0]) == 3 and running(apps[1]) == 3, 5)
+        after = [own_scrapes(a) for a in apps]
+        for i in range(len(apps)):
+            for name, owned in owner.items():
+                grew = after[i][name] > before[i][name]
+                assert grew == owned[i], (i, name, before[i][name], after[i][name])
+        assert all(f.scrapes.applied > 0 for f in fleets)
+        await gws[1].stop()  # its field goes at once: gateway 0 scrapes everything again
+        await poll_until(lambda: fleets[0].peers == 0, 5)
+        mine = own_scrapes(apps[0])
+        await poll_until(lambda: all(v > mine[k] for k, v in own_scrapes(apps[0]).items()), 5)
+        for t in sent:
+            t.cancel()
+        await asyncio.gather(*sent, return_exceptions=True)
