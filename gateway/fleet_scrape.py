@@ -97,12 +97,15 @@ class ScrapeShare:
             targets = by_url.get(url)
             if not targets or self.owns(url):
                 continue
-            parsed = _parse(item)
-            if parsed is None or seen.get(url) == parsed[0]:
+            seq = _seq(item)  # read first: most ticks bring the sample taken last time again
+            if seq is None or seen.get(url) == seq:
                 continue
-            seen[url] = parsed[0]
+            parsed = _parse(item)
+            if parsed is None:
+                continue
+            seen[url] = seq
             for r in targets:
-                r.took_scrape(parsed[1], parsed[2], now)
+                r.took_scrape(parsed[0], parsed[1], now)
             self.applied += 1
 
 
@@ -114,12 +117,21 @@ def replicas_by_url(replicas: Iterable[ReplicaState]) -> dict[str, list[ReplicaS
     return out
 
 
-def _parse(item: Any) -> tuple[int, LoadSample, LoraInfo | None] | None:
-    """[seq, {fields}, lora] as `payload` writes it; None for anything else (another version)."""
+def _seq(item: Any) -> int | None:
+    """The seq of [seq, {fields}, lora] as `payload` writes it; None for anything else."""
     try:
-        seq, values, lora = item
+        return int(item[0])
+    except (TypeError, ValueError, IndexError, KeyError):
+        return None
+
+
+def _parse(item: Any) -> tuple[LoadSample, LoraInfo | None] | None:
+    """The sample and LoRA info of [seq, {fields}, lora]; None for anything else (another
+    version)."""
+    try:
+        _, values, lora = item
         sample = LoadSample(**{k: v for k, v in values.items() if k in _SAMPLE_FIELDS})
         info = None if lora is None else (frozenset(str(a) for a in lora[0]), lora[1])
-        return int(seq), sample, info
+        return sample, info
     except (TypeError, ValueError, AttributeError):
         return None
