@@ -10,9 +10,10 @@ One hash per fleet, one field per gateway (docs/scaleout.md):
 
 A tick is one round trip (one Lua call: HSET own field, PEXPIRE, HDEL of the long dead, HGETALL).
 A peer whose `seq` has not moved for `stale_after_s` (by this gateway's clock, so clock skew does
-not matter) no longer counts; its field is deleted after ten times that. A gateway that stops deletes its own field.
-Redis down: one warning, peers' figures age out as above (own-only load), retried with backoff.
-Replicas are keyed by URL, which names the engine whatever each gateway's config calls it.
+not matter) no longer counts; its field is deleted after ten times that. A gateway that stops
+deletes its own field. Redis down: one warning, peers' figures age out as above (own-only
+load), retried with backoff. Replicas are keyed by URL, which names the engine whatever each
+gateway's config calls it.
 """
 
 from __future__ import annotations
