@@ -151,6 +151,8 @@ async def test_managed_placement_loads_before_forwarding_and_unloads_idle_ones()
             await asyncio.sleep(0.5)
             assert (await _complete(served.url, "poet"))[0] == 200
             await poll_until(lambda: holders() == 0, timeout_s=5.0)
+            # the engine drops the adapter before its answer reaches the gateway
+            await poll_until(lambda: placement.unloads > 0, timeout_s=5.0)
             assert placement.unloads == 1
             await poll_until(lambda: all("sql" not in r.lora.served for r in replicas))
             async with aiohttp.ClientSession() as h, h.get(served.url + "/metrics") as res:
