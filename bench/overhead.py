@@ -53,6 +53,7 @@ GOAL_TTFT_MS = 0.5  # added at c=1
 GOAL_TRACED_X = 1.15  # --tracing otlp: CPU per request traced (sampling 1.0) / untraced
 RUST_REFERENCE = "sgl-cache_aware"  # the public Rust cache-aware router the gateway is held to
 RUST_POLICIES = ("cache_aware", "round_robin")  # sglang-router's, one row each when installed
+FLOOR_LAYERS = ("uvicorn", "raw")  # bench/floor_proxy.py's server layers, one row each
 
 
 # --- gateway variants: one row each under every load ---------------------------------------------
@@ -63,6 +64,7 @@ class Variant:
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)
     rust_policy: str | None = None  # a row of the public Rust router (sglang-router), not ours
+    floor: str | None = None  # a row of bench/floor_proxy.py under this server layer, not ours
     server: str = "uvicorn"  # the HTTP server the gateway's ASGI app runs under
     src: Path | None = None  # run the gateway package from this directory (--baseline-src)
 
@@ -88,6 +90,8 @@ def variants(args: argparse.Namespace, sink_url: str) -> list[Variant]:
     if args.baseline_src is not None:  # A/B in one run: the same policies from another tree
         out += [dataclasses.replace(v, name=v.name + "@base", src=args.baseline_src)
                 for v in list(out) if v.server == "uvicorn"]  # fmt: skip
+    if args.floor == "on":  # the least a Python proxy spends, under each server layer
+        out += [Variant(f"floor@{layer}", floor=layer) for layer in FLOOR_LAYERS]
     if args.rust == "auto" and rust_router_installed():
         out += [Variant(f"sgl-{p}", rust_policy=p) for p in RUST_POLICIES]
     return out
@@ -114,6 +118,20 @@ def start_rust_router(
            "--worker-urls", *(f"http://127.0.0.1:{p}" for p in ports)]  # fmt: skip
     log = open(workdir / f"gateway-{v.name}-{port}.log", "wb")  # noqa: SIM115 - lives with it
     p = subprocess.Popen(cmd, stdout=log, stderr=log, cwd="/")
+    _pin(p.pid, cpu, args.nice)
+    return p
+
+
+def start_floor_proxy(
+    v: Variant, port: int, ports: list[int], workdir: Path, args: argparse.Namespace, cpu: int
+) -> subprocess.Popen[bytes]:
+    """bench/floor_proxy.py over `ports`, on the gateway's CPU; like a Rust row, one process
+    per pool (it reads no model name to choose one)."""
+    assert v.floor is not None
+    cmd = [sys.executable, "-m", "bench.floor_proxy", "--server", v.floor, "--port", str(port),
+           "--upstream", *(f"http://127.0.0.1:{p}" for p in ports)]  # fmt: skip
+    log = open(workdir / f"gateway-{v.name}-{port}.log", "wb")  # noqa: SIM115 - lives with it
+    p = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT)
     _pin(p.pid, cpu, args.nice)
     return p
 
@@ -824,7 +842,7 @@ def _goals(rows: dict[tuple[str, str], Row], vs: list[Variant]) -> str:
     if ref is None:
         out.append(f"  ({RUST_REFERENCE} not measured: the goals against it read n/a)")
     for v in vs:
-        if v.name in rust:
+        if v.name in rust or v.floor is not None:
             continue
         out.append(f"[{v.name}]")
         s, p = get("stream", "ratio", v.name), get("paced", "ratio", v.name)
@@ -854,6 +872,18 @@ def _goals(rows: dict[tuple[str, str], Row], vs: list[Variant]) -> str:
         if v.name.endswith("+log"):  # --request-log: a line per request against none
             x = cpu / get("sat", "gw_us", v.name.removesuffix("+log"))
             out.append(f"  {'CPU per request, request log on / off (x)':<58} {x:7.2f}  (measured)")
+    floors = [v.name for v in vs if v.floor is not None]
+    if floors:  # not goals: what the rows above are up against
+        out.append("[floor: a bare Python pass-through, bench/floor_proxy.py]")
+        ref_cpu = get("sat", "gw_us", ref) if ref else float("nan")
+        for name in floors:
+            x = get("sat", "gw_us", name) / ref_cpu
+            out.append(f"  {f'{name} CPU per request / {RUST_REFERENCE} (x)':<58} {x:7.2f}  (measured)")
+        base = "floor@uvicorn"  # the server layer the gateway runs on: the rest is its own work
+        for v in vs:
+            if v.name not in rust and v.floor is None and base in floors:
+                x = get("sat", "gw_us", v.name) / get("sat", "gw_us", base)
+                out.append(f"  {f'{v.name} CPU per request / {base} (x)':<58} {x:7.2f}  (measured)")
     return "\n".join(out)
 
 
@@ -894,6 +924,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=["auto", "off"],
         default="auto",
         help="auto: add sglang-router rows (cache_aware, round_robin) when it is installed",
+    )
+    p.add_argument(
+        "--floor",
+        choices=["on", "off"],
+        default="on",
+        help="on: add bench/floor_proxy.py rows (a bare pass-through under uvicorn and under a raw "
+        "asyncio protocol): the least a Python proxy spends",
     )
     p.add_argument("--gateway-cpu", type=int, help="CPU for the gateway (default: first allowed)")
     p.add_argument("--load-cpu", type=int, help="CPU for upstream and generator (default: second)")
@@ -939,12 +976,13 @@ def main(argv: list[str] | None = None) -> int:
             kept = []
             for v in vs:
                 port = free_port()
-                if v.rust_policy is not None:
+                if v.rust_policy is not None or v.floor is not None:  # one process per pool
+                    start = start_rust_router if v.rust_policy is not None else start_floor_proxy
                     paced = free_port()
-                    rust = start_rust_router(v, port, procs.ports, Path(tmp), args, args.gateway_cpu)
-                    procs.gateways[v.name] = (rust, port)
-                    rust = start_rust_router(v, paced, procs.paced, Path(tmp), args, args.gateway_cpu)
-                    procs.gateways[f"{v.name}@paced"] = (rust, paced)
+                    other = start(v, port, procs.ports, Path(tmp), args, args.gateway_cpu)
+                    procs.gateways[v.name] = (other, port)
+                    other = start(v, paced, procs.paced, Path(tmp), args, args.gateway_cpu)
+                    procs.gateways[f"{v.name}@paced"] = (other, paced)
                     kept.append(v)
                     continue
                 cfg = gateway_config(port, procs.ports, procs.paced, v)
@@ -962,7 +1000,8 @@ def main(argv: list[str] | None = None) -> int:
                       "no Rust router rows", file=sys.stderr)  # fmt: skip
             for name, (proc, port) in procs.gateways.items():
                 try:
-                    wait_ready(port, proc, "/health" if name.startswith("sgl-") else "/ready")
+                    ours = not name.startswith(("sgl-", "floor@"))
+                    wait_ready(port, proc, "/ready" if ours else "/health")
                 except RuntimeError:
                     for log in Path(tmp).glob("*.log"):
                         print(f"--- {log.name}\n{log.read_text()[-2000:]}", file=sys.stderr)

@@ -1,0 +1,180 @@
+"""The floor of a Python proxy on uvloop: what bench.overhead's `floor@*` rows measure.
+
+A pass-through that does nothing a gateway must do (no parsing of the body, no routing, no
+limits, metrics or index): each POST goes on, round robin, to the next upstream over the
+gateway's own upstream client (`gateway/http_client.py`), and the answer comes back, streamed
+bodies chunk by chunk. Two server layers in front of it, one per row:
+
+- `uvicorn`: a bare ASGI app under uvicorn with httptools and uvloop, configured as `gateway
+  serve` runs it (no proxy headers, no access log);
+- `raw`: an asyncio protocol that parses requests with httptools itself and writes each
+  answer's bytes straight to the socket (streamed bodies from the upstream connection's
+  callback, as the gateway's fast lane does), no ASGI at all.
+
+So `floor@uvicorn` minus `floor@raw` is what the ASGI server layer costs a request, and
+`floor@raw` is the least CPU per request any proxy written in Python on this event loop and
+client can spend: the bound below which no Python gateway goes, to hold against a compiled
+router's figure. GET answers 200 (what bench.overhead's readiness poll needs).
+
+    python -m bench.floor_proxy --server raw --port 8100 --upstream http://127.0.0.1:9001 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httptools
+
+from gateway.http_client import HttpClient
+
+MAX_ANSWER_BYTES = 64 << 20
+JSON = [(b"content-type", b"application/json")]
+
+
+class Upstreams:
+    """Round robin over the upstream origins, on one keep-alive client."""
+
+    def __init__(self, origins: list[str]) -> None:
+        self.client = HttpClient(connect_timeout_s=5.0)
+        self._next: Iterator[str] = itertools.cycle(origins)
+
+    async def forward(self, path: bytes, body: bytes) -> Any:
+        return await self.client.request(
+            next(self._next), b"POST", path, JSON, body, first_byte_timeout_s=30.0
+        )
+
+
+def _head(status: int, ctype: bytes, length: int | None) -> bytes:
+    framing = b"transfer-encoding: chunked" if length is None else b"content-length: %d" % length
+    return b"HTTP/1.1 %d OK\r\ncontent-type: %b\r\n%b\r\n\r\n" % (status, ctype, framing)
+
+
+def _content_type(resp: Any) -> bytes:
+    return next((v for k, v in resp.headers if k == b"content-type"), b"application/json")
+
+
+# --- raw: an asyncio protocol, no ASGI ----------------------------------------------------------
+class RawServer(asyncio.Protocol):
+    """One client connection: requests one at a time (no pipelining), keep-alive."""
+
+    def __init__(self, ups: Upstreams) -> None:
+        self.ups = ups
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url = b""
+        self.parts: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self.transport is not None
+            self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.parts.append(body)
+
+    def on_message_complete(self) -> None:
+        url, body = self.url, b"".join(self.parts)
+        self.url, self.parts = b"", []
+        assert self.transport is not None
+        if self.parser.get_method() != b"POST":
+            self.transport.write(_head(200, b"text/plain", 2) + b"ok")
+            return
+        asyncio.get_running_loop().create_task(self.answer(self.transport, url, body))
+
+    async def answer(self, t: asyncio.Transport, path: bytes, body: bytes) -> None:
+        try:
+            await self._answer(t, path, body)
+        except Exception:  # no error answers in the floor: the client sees the connection close
+            t.close()
+
+    async def _answer(self, t: asyncio.Transport, path: bytes, body: bytes) -> None:
+        resp = await self.ups.forward(path, body)
+        ctype = _content_type(resp)
+        if not ctype.startswith(b"text/event-stream"):
+            data = await resp.read_all(MAX_ANSWER_BYTES)
+            t.write(_head(resp.status, ctype, len(data)) + data)
+            return
+        t.write(_head(resp.status, ctype, None))
+
+        def sink(chunk: bytes) -> bool:
+            t.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            return True
+
+        await resp.pipe(sink)
+        t.write(b"0\r\n\r\n")
+
+
+# --- uvicorn: a bare ASGI app ---------------------------------------------------------------------
+def asgi_app(ups: Upstreams) -> Callable[..., Any]:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] != "POST":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        parts, more = [], True
+        while more:
+            msg = await receive()
+            parts.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        resp = await ups.forward(scope["raw_path"], b"".join(parts))
+        ctype = _content_type(resp)
+        if not ctype.startswith(b"text/event-stream"):
+            data = await resp.read_all(MAX_ANSWER_BYTES)
+            headers = [(b"content-type", ctype), (b"content-length", b"%d" % len(data))]
+            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            await send({"type": "http.response.body", "body": data})
+            return
+        await send({"type": "http.response.start", "status": resp.status,
+                    "headers": [(b"content-type", ctype)]})  # fmt: skip
+        while chunk := await resp.read_chunk():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="bench.floor_proxy", description=__doc__.splitlines()[0])
+    p.add_argument("--server", choices=["raw", "uvicorn"], required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--upstream", nargs="+", required=True, help="http://host:port origins")
+    args = p.parse_args(argv)
+    import uvloop
+
+    if args.server == "uvicorn":
+        import uvicorn
+
+        ups = Upstreams(args.upstream)
+        config = uvicorn.Config(
+            asgi_app(ups), host="127.0.0.1", port=args.port, loop="uvloop", http="httptools",
+            lifespan="off", log_config=None, access_log=False, proxy_headers=False,
+        )  # fmt: skip
+        uvicorn.Server(config).run()
+        return
+
+    async def serve() -> None:
+        ups = Upstreams(args.upstream)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: RawServer(ups), "127.0.0.1", args.port)
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(serve())
+
+
+if __name__ == "__main__":
+    main()
