@@ -323,7 +323,9 @@ async def test_each_replica_is_scraped_by_one_gateway_and_every_gateway_has_its_
             for name, owned in owner.items():
                 grew = after[i][name] > before[i][name]
                 assert grew == owned[i], (i, name, before[i][name], after[i][name])
-        assert all(f.scrapes.applied > 0 for f in fleets)
+        # a gateway that scrapes every replica itself (1 in 8 of the random ports) takes none
+        takers = [f for i, f in enumerate(fleets) if not all(o[i] for o in owner.values())]
+        assert takers and all(f.scrapes.applied > 0 for f in takers)
         await gws[1].stop()  # its field goes at once: gateway 0 scrapes everything again
         await poll_until(lambda: fleets[0].peers == 0, 5)
         mine = own_scrapes(apps[0])
