@@ -22,7 +22,7 @@ from .errors import (
     RequestTimeout,
     error_body,
 )
-from .http_protocol import body_buffered
+from .http_protocol import body_buffered, body_writer
 from .kinds import EndpointKind
 from .pipeline import Pipeline, RawHeaders, request_id
 from .record import Record
@@ -249,11 +249,12 @@ class ProxyEndpoint:
             WATCH_AFTER_S, lambda: watchers.append(asyncio.ensure_future(watch_disconnect()))
         )
         error: GatewayError | None = None
+        writer = body_writer()  # a whole answer may go out through it, not through send
         try:
             await pipeline.handle(snap, self.kind, raw, headers, tenant, tracked_send, rec)
         except GatewayError as exc:
             error = exc
-            if not started:
+            if not started and not (writer is not None and writer.started):
                 await send_error(send, exc)
         except asyncio.CancelledError:
             if not state["gone"]:
@@ -263,7 +264,7 @@ class ProxyEndpoint:
         except Exception:
             log.exception("unexpected error on %s", scope.get("path"))
             error = GatewayError("Internal gateway error")
-            if not started:
+            if not started and not (writer is not None and writer.started):
                 await send_error(send, error)
         finally:
             state["done"] = True

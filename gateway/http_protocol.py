@@ -13,7 +13,11 @@ import asyncio
 from contextvars import ContextVar
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 256
@@ -47,6 +51,52 @@ class BodyWriter:
         ):
             return False
         c.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    @property
+    def started(self) -> bool:
+        """Whether the response began (through `send` or `whole`): no error answer can follow."""
+        return bool(self.cycle.response_started)
+
+    def whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        """Write a complete response, `body` framed by a content-length, in one write (uvicorn's
+        `send` writes the head and the body apart: two system calls and two ASGI messages),
+        when nothing of it went out yet and the client takes bytes at once; False when it
+        cannot (then nothing was written: `send` it). `headers`: lowercase names, no framing
+        headers (content-length, transfer-encoding, connection); a header with a CR or LF
+        is left to uvicorn's `send`, which refuses it."""
+        c = self.cycle
+        if (
+            c.response_started
+            or c.disconnected
+            or c.flow.write_paused
+            or c.scope["method"] == "HEAD"
+            or status not in STATUS_LINE
+        ):
+            return False
+        parts = [STATUS_LINE[status]]
+        lines = 2  # the status line, the blank line
+        for name, value in (*c.default_headers, *headers):
+            parts += (name, b": ", value, b"\r\n")
+            lines += 1
+        if not c.keep_alive:
+            parts.append(b"connection: close\r\n")
+            lines += 1
+        parts.append(b"content-length: %d\r\n\r\n" % len(body))
+        lines += 1
+        head = b"".join(parts)
+        if head.count(b"\n") != lines or head.count(b"\r") != lines:
+            return False
+        c.response_started = True
+        c.waiting_for_100_continue = False
+        c.chunked_encoding = False
+        c.expected_content_length = 0
+        c.transport.write(head + body)
+        c.response_complete = True
+        c.message_event.set()
+        if not c.keep_alive:
+            c.transport.close()
+        c.on_response()
         return True
 
 

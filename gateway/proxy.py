@@ -338,6 +338,10 @@ async def send_whole(
     if body is not None:
         headers = [(k, v) for k, v in headers if k != b"content-type"]
         headers.append((b"content-type", b"application/json"))
+    if len(payload) <= SEND_SLICE:  # the usual answer: head and body in one write
+        writer = body_writer()
+        if writer is not None and writer.whole(resp.status, headers, payload):
+            return
     headers.append((b"content-length", str(len(payload)).encode()))
     await send({"type": "http.response.start", "status": resp.status, "headers": headers})
     # a large answer goes in slices: each send waits until the client has drained the last, so a

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from gateway import create_app, parse_config
-from gateway.http_protocol import GuardedHttpToolsProtocol
+from gateway.http_protocol import BodyWriter, GuardedHttpToolsProtocol
 from gateway.streams import StreamTap
 from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until, start_server
@@ -174,3 +174,60 @@ def test_one_loop_tap_path_agrees_with_the_general_one() -> None:
             ), reads  # fmt: skip
             fast_reads += sum(1 for r in reads if fast._lf_events(r) is not None)
     assert fast_reads > 300  # the one-loop path did run
+
+
+# --- whole answers: head and body in one write (BodyWriter.whole) ------------------------------
+def _comparable(res: httpx.Response) -> tuple[int, list[tuple[str, str]], bytes]:
+    headers = sorted((k, v) for k, v in res.headers.items() if k != "date")
+    return res.status_code, headers, res.content
+
+
+@pytest.mark.parametrize("mode", ["ok", "error_500", "sglang_error", "big"])
+async def test_a_whole_answer_in_one_write_is_what_the_asgi_path_sends(mode: str) -> None:
+    up = Upstream("a", mode=mode, chunks=24)
+    body = {"model": "test-model", "messages": CHAT}
+    async with two_gateways(up) as (plain, fast), httpx.AsyncClient(timeout=10) as h:
+        for _ in range(3):  # kept alive between answers on both
+            rid = {"x-request-id": "req-1"}
+            a = await h.post(plain + "/v1/chat/completions", json=body, headers=rid)
+            b = await h.post(fast + "/v1/chat/completions", json=body, headers=rid)
+            assert _comparable(b) == _comparable(a)
+    assert a.status_code == {"ok": 200, "error_500": 500, "sglang_error": 400, "big": 200}[mode]
+
+
+async def test_a_whole_answer_goes_out_in_one_write_and_keeps_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a raw socket: each answer is complete (content-length framed), written by
+    `BodyWriter.whole`, and the connection serves the next request; one that asked to close
+    gets `connection: close` and EOF."""
+    wrote: list[bool] = []
+    whole = BodyWriter.whole
+
+    def counted(self: BodyWriter, *args: Any) -> bool:
+        wrote.append(whole(self, *args))
+        return wrote[-1]
+
+    monkeypatch.setattr(BodyWriter, "whole", counted)
+    async with two_gateways(Upstream("a", chunks=4)) as (_, fast):
+        host, port = fast.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        req = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+        try:
+            for close in (False, False, True):
+                extra = b"connection: close\r\n" if close else b""
+                writer.write(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                    b"application/json\r\n%bcontent-length: %d\r\n\r\n%b" % (extra, len(req), req)
+                )
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+                lines = head.lower().split(b"\r\n")
+                length = next(int(v.split(b":")[1]) for v in lines if v.startswith(b"content-length:"))
+                answer = await asyncio.wait_for(reader.readexactly(length), 5)
+                assert b"w3" in answer
+                assert (b"connection: close" in lines) is close
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed after the last
+            assert wrote == [True, True, True]
+        finally:
+            writer.close()
