@@ -11,8 +11,9 @@ import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
+from types import TracebackType
 
 from .errors import Shed
 from .tenants import PriorityClassConfig
@@ -107,6 +108,50 @@ class AdmissionStats:
     shed: dict[tuple[str, str, str, str], int]  # (pool, class, tenant, reason) -> total
 
 
+class Slot:
+    """One request's `async with` on `Admission.slot`: enters at once, without a generator, when
+    nothing waits in the pool and it has capacity (the usual case); else waits in the queue."""
+
+    __slots__ = ("_adm", "_pool", "_tenant", "_weight", "_priority", "_has_capacity", "_pq",
+                 "_queued")  # fmt: skip
+
+    def __init__(
+        self, adm: Admission, pool: str, tenant: str, weight: float, priority: str,
+        has_capacity: Callable[[], bool],
+    ) -> None:  # fmt: skip
+        self._adm = adm
+        self._pool = pool
+        self._tenant = tenant
+        self._weight = weight
+        self._priority = priority
+        self._has_capacity = has_capacity
+        self._pq: _PoolQueue | None = None
+        self._queued: AbstractAsyncContextManager[float] | None = None
+
+    async def __aenter__(self) -> float:
+        adm, pool, priority = self._adm, self._pool, self._priority
+        if priority not in adm._classes:
+            raise ValueError(f"unknown priority class {priority!r}")
+        if not self._weight > 0:
+            raise ValueError("weight must be > 0")
+        pq = adm._pool(pool)
+        if pq.queued() == 0 and pq.turn is None and self._has_capacity():
+            adm._count_admitted(pool, priority, self._tenant)
+            self._pq = pq
+            return 0.0
+        self._queued = adm._queued(pool, pq, self._tenant, self._weight, priority, self._has_capacity)
+        return await self._queued.__aenter__()
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        if self._queued is not None:
+            return await self._queued.__aexit__(et, e, tb)
+        if self._pq is not None:
+            self._adm._pump(self._pool, self._pq)
+        return None
+
+
 class Admission:
     """Priority queues per pool in front of replica capacity.
 
@@ -139,28 +184,29 @@ class Admission:
             self._pools[name] = pq
         return pq
 
-    @asynccontextmanager
-    async def slot(
+    def slot(
         self,
         pool: str,
         tenant: str,
         weight: float,
         priority: str,
         has_capacity: Callable[[], bool],
+    ) -> Slot:
+        """`async with` it: waits for this request's turn and gives the seconds waited; the
+        block routes and dispatches."""
+        return Slot(self, pool, tenant, weight, priority, has_capacity)
+
+    @asynccontextmanager
+    async def _queued(
+        self,
+        pool: str,
+        pq: _PoolQueue,
+        tenant: str,
+        weight: float,
+        priority: str,
+        has_capacity: Callable[[], bool],
     ) -> AsyncIterator[float]:
-        """Wait for this request's turn; the body routes and dispatches; yields seconds waited."""
-        if priority not in self._classes:
-            raise ValueError(f"unknown priority class {priority!r}")
-        if not weight > 0:
-            raise ValueError("weight must be > 0")
-        pq = self._pool(pool)
-        if pq.queued() == 0 and pq.turn is None and has_capacity():
-            self._count_admitted(pool, priority, tenant)
-            try:
-                yield 0.0
-            finally:
-                self._pump(pool, pq)
-            return
+        """The wait in the queue (`Slot`'s when it cannot enter at once)."""
         cq = next(c for n, c in pq.classes if n == priority)
         cfg = cq.config
         if cq.live >= cfg.max_queue_len:

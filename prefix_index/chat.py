@@ -38,6 +38,11 @@ def render_chat(messages: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _render_message(message: Any, out: list[str]) -> None:
+    if type(message) is dict and len(message) == 2:  # the usual {"role", "content"} of text
+        role, content = message.get("role"), message.get("content")
+        if type(role) is str and type(content) is str:
+            out += (f"{START}{role}\n", content, END)  # what the general path renders for it
+            return
     if not isinstance(message, Mapping):
         out.append(f"{START}?\n{_canonical(message)}{END}")
         return

@@ -6,6 +6,7 @@ leading blocks in the gateway's chain, for every prompt shape; different scopes 
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -217,3 +218,12 @@ def test_odd_shapes_render_without_raising() -> None:
     ]
     assert render_chat(odd) == render_chat(odd)
     assert render_chat([]) == ""
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(MESSAGE, max_size=5))
+def test_the_plain_text_message_shortcut_renders_what_the_general_path_does(
+    messages: list[dict[str, Any]],
+) -> None:
+    # a read-only mapping is not a dict: it always takes the general path
+    assert render_chat(messages) == render_chat([MappingProxyType(m) for m in messages])
