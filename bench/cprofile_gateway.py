@@ -1,0 +1,149 @@
+"""cProfile of the gateway's event-loop thread at saturation: call counts and own time per request.
+
+py-spy (`bench.overhead --profile`) samples a gateway process from outside and sees coroutine
+stacks cut short; this runs the gateway's app in this process (the server protocol, loop and
+settings `gateway serve` uses), loads it from a child process with bench.overhead's generator
+(closed loop, 32 connections, the same 2 KB chat bodies) over bench.zero_upstream, and profiles
+the loop thread during the load. cProfile roughly doubles the cost of Python code and not that of
+system calls: read shares and call counts, not times. With `--thread-cpu`, the tracing export
+thread's own CPU per trace is printed too (its clock, not the profile).
+
+    .venv/bin/python -m bench.cprofile_gateway --policy round_robin --seconds 6
+    .venv/bin/python -m bench.cprofile_gateway --tracing --sort cumulative
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import pstats
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(port: int, seconds: float) -> None:
+    """The child: bench.overhead's closed-loop generator against `port`."""
+    import uvloop
+
+    from bench.overhead import MODEL, Load, chat_bodies, http_requests, measure
+
+    async def run() -> None:
+        reqs = http_requests(port, chat_bodies(256, False, MODEL))
+        w = await measure(Load("sat", "sat", False, concurrency=32, seconds=seconds), [port],
+                          reqs, {}, 0.5)  # fmt: skip
+        print(orjson.dumps({"answers": w.n, "errors": w.errors, "rps": w.rps}).decode(), flush=True)
+
+    uvloop.run(run())
+
+
+def config(port: int, ports: list[int], policy: str, tracing: bool) -> dict[str, Any]:
+    pool = {"replicas": [f"http://127.0.0.1:{p}" for p in ports], "policy": policy,
+            "max_inflight_per_replica": 4096, "health": {"interval_s": 2},
+            "scrape": {"interval_s": 1}}  # fmt: skip
+    cfg: dict[str, Any] = {
+        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "pools": {"zero": pool},
+        "index": {"backend": "memory"},
+    }
+    if tracing:  # the upstream's /v1/traces is an OTLP/HTTP sink
+        cfg["tracing"] = {"exporter": "otlp_http", "endpoint": f"http://127.0.0.1:{ports[0]}",
+                          "sampling_ratio": 1.0}  # fmt: skip
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.cprofile_gateway", description=__doc__.splitlines()[0])
+    p.add_argument("--policy", default="round_robin")
+    p.add_argument("--seconds", type=float, default=6.0, help="profiled load")
+    p.add_argument("--sort", default="tottime", help="pstats order: tottime, cumulative, ncalls")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--tracing", action="store_true", help="sampling 1.0, OTLP/HTTP to the upstream")
+    p.add_argument("--load-port", type=int, help=argparse.SUPPRESS)  # the child's side
+    args = p.parse_args(argv)
+    if args.load_port is not None:
+        _load(args.load_port, args.seconds)
+        return 0
+
+    import uvicorn
+    import uvloop
+
+    from gateway import create_app, parse_config
+    from gateway.http_protocol import GuardedHttpToolsProtocol
+    from gateway.otlp import OtlpHttpSink
+    from simulator.harness import free_port
+
+    thread_cpu: list[tuple[int, float]] = []
+    if args.tracing:  # the export thread's own clock: traces taken and CPU spent
+        run = OtlpHttpSink._run
+
+        def timed(self: OtlpHttpSink) -> None:
+            try:
+                run(self)
+            finally:
+                thread_cpu.append((self._taken, time.thread_time()))
+
+        OtlpHttpSink._run = timed  # type: ignore[method-assign]
+
+    up = subprocess.Popen([sys.executable, "-m", "bench.zero_upstream", "--ports", "3",
+                           "--paced-ports", "1"], stdout=subprocess.PIPE, cwd=ROOT)  # fmt: skip
+    assert up.stdout is not None
+    ports = orjson.loads(up.stdout.readline())["ports"]
+    port = free_port()
+    app = create_app(parse_config(config(port, ports, args.policy, args.tracing)), own_process=True)
+    prof = cProfile.Profile()
+    result: dict[str, Any] = {}
+
+    async def serve() -> None:
+        server = uvicorn.Server(uvicorn.Config(
+            app, host="127.0.0.1", port=port, loop="uvloop", http=GuardedHttpToolsProtocol,
+            lifespan="on", log_config=None, access_log=False, proxy_headers=False,
+        ))  # fmt: skip
+        task = asyncio.create_task(server.serve())
+        while not server.started:  # noqa: ASYNC110 - uvicorn sets a flag, no event
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2.0)  # the first probes and scrapes
+        gen = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.cprofile_gateway", "--load-port", str(port),
+            "--seconds", str(args.seconds), cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert gen.stdout is not None
+        await asyncio.sleep(0.5)  # the generator's warm-up
+        prof.enable()
+        out = await gen.stdout.read()
+        prof.disable()
+        await gen.wait()
+        result.update(orjson.loads(out.splitlines()[-1]))
+        server.should_exit = True
+        await task
+
+    try:
+        uvloop.run(serve())
+    finally:
+        up.terminate()
+        up.wait(10)
+    answers = max(1, int(result.get("answers", 0)))
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats(args.sort).print_stats(args.top)
+    print(f"bench.cprofile_gateway: policy {args.policy}, tracing {'on' if args.tracing else 'off'}; "
+          f"{answers} answers in the {args.seconds:g} s window ({result.get('rps', 0):.0f}/s, "
+          f"{result.get('errors', 0)} errors); the profile spans the generator's warm-up too; "
+          f"a coroutine's ncalls counts its resumptions")  # fmt: skip
+    for spans, cpu in thread_cpu:
+        print(f"export thread: {spans} spans exported, {cpu:.2f} s of its CPU, "
+              f"{1e6 * cpu / max(1, spans):.1f} us per span")  # fmt: skip
+    print(text.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
