@@ -4,9 +4,10 @@ py-spy (`bench.overhead --profile`) samples a gateway process from outside and s
 stacks cut short; this runs the gateway's app in this process (the server protocol, loop and
 settings `gateway serve` uses), loads it from a child process with bench.overhead's generator
 (closed loop, 32 connections, the same 2 KB chat bodies) over bench.zero_upstream, and profiles
-the loop thread during the load. cProfile roughly doubles the cost of Python code and not that of
-system calls: read shares and call counts, not times. With `--thread-cpu`, the tracing export
-thread's own CPU per trace is printed too (its clock, not the profile).
+the loop thread during the load; the gateway's config is bench.overhead's. cProfile roughly
+doubles the cost of Python code and not that of system calls: read shares and call counts, not
+times. With `--tracing`, the export thread's own CPU per span is printed too (its clock, not the
+profile).
 
     .venv/bin/python -m bench.cprofile_gateway --policy round_robin --seconds 6
     .venv/bin/python -m bench.cprofile_gateway --tracing --sort cumulative
@@ -45,21 +46,6 @@ def _load(port: int, seconds: float) -> None:
     uvloop.run(run())
 
 
-def config(port: int, ports: list[int], policy: str, tracing: bool) -> dict[str, Any]:
-    pool = {"replicas": [f"http://127.0.0.1:{p}" for p in ports], "policy": policy,
-            "max_inflight_per_replica": 4096, "health": {"interval_s": 2},
-            "scrape": {"interval_s": 1}}  # fmt: skip
-    cfg: dict[str, Any] = {
-        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
-        "pools": {"zero": pool},
-        "index": {"backend": "memory"},
-    }
-    if tracing:  # the upstream's /v1/traces is an OTLP/HTTP sink
-        cfg["tracing"] = {"exporter": "otlp_http", "endpoint": f"http://127.0.0.1:{ports[0]}",
-                          "sampling_ratio": 1.0}  # fmt: skip
-    return cfg
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.cprofile_gateway", description=__doc__.splitlines()[0])
     p.add_argument("--policy", default="round_robin")
@@ -76,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
     import uvloop
 
+    from bench.overhead import gateway_config, policy_variant, traced
     from gateway import create_app, parse_config
     from gateway.http_protocol import GuardedHttpToolsProtocol
     from gateway.otlp import OtlpHttpSink
@@ -96,9 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     up = subprocess.Popen([sys.executable, "-m", "bench.zero_upstream", "--ports", "3",
                            "--paced-ports", "1"], stdout=subprocess.PIPE, cwd=ROOT)  # fmt: skip
     assert up.stdout is not None
-    ports = orjson.loads(up.stdout.readline())["ports"]
-    port = free_port()
-    app = create_app(parse_config(config(port, ports, args.policy, args.tracing)), own_process=True)
+    started = orjson.loads(up.stdout.readline())
+    ports, port = started["ports"], free_port()
+    variant = policy_variant(args.policy)  # bench.overhead's config: its load goes to `zero`
+    if args.tracing:  # the upstream's /v1/traces is an OTLP/HTTP sink
+        variant = traced(variant, f"http://127.0.0.1:{ports[0]}")
+    cfg = gateway_config(port, ports, started["paced_ports"], variant)
+    app = create_app(parse_config(cfg), own_process=True)
     prof = cProfile.Profile()
     result: dict[str, Any] = {}
 

@@ -68,19 +68,31 @@ class Variant:
     server: str = "uvicorn"  # the HTTP server the gateway's ASGI app runs under
     src: Path | None = None  # run the gateway package from this directory (--baseline-src)
 
+    @property
+    def ours(self) -> bool:
+        """A gateway row, not a reference (the Rust router, the floor)."""
+        return self.rust_policy is None and self.floor is None
+
+
+def policy_variant(policy: str) -> Variant:
+    """The gateway with `policy` on both pools."""
+    return Variant(policy, {"pools": {"zero": {"policy": policy}, "paced": {"policy": policy}}})
+
+
+def traced(v: Variant, sink_url: str) -> Variant:
+    """`v` with every request traced (sampling 1.0), OTLP/HTTP to `sink_url`."""
+    otlp = {"tracing": {"exporter": "otlp_http", "endpoint": sink_url, "sampling_ratio": 1.0}}
+    return Variant(v.name + "+otlp", _merge(v.overrides, otlp))
+
 
 def variants(args: argparse.Namespace, sink_url: str) -> list[Variant]:
     """The gateway rows. A telemetry on/off pair is one more entry per policy (see --tracing)."""
-    out = [
-        Variant(p, {"pools": {"zero": {"policy": p}, "paced": {"policy": p}}})
-        for p in args.policies
-    ]
+    out = [policy_variant(p) for p in args.policies]
     if args.request_log != "off":  # the request log written (to the gateway's log file)
         logged = {"server": {"log_level": "info", "log_format": args.request_log}}
         out += [Variant(v.name + "+log", _merge(v.overrides, logged)) for v in list(out)]
     if args.tracing == "otlp":
-        otlp = {"tracing": {"exporter": "otlp_http", "endpoint": sink_url, "sampling_ratio": 1.0}}
-        out += [Variant(v.name + "+otlp", _merge(v.overrides, otlp)) for v in out]
+        out += [traced(v, sink_url) for v in out]
     if "granian" in args.servers:  # the same app under another server, for the first policy
         if shutil.which("granian", path=str(GATEWAY_BIN.parent)) is None:
             print("bench.overhead: granian is not installed (pip install granian): no granian row",
@@ -842,7 +854,7 @@ def _goals(rows: dict[tuple[str, str], Row], vs: list[Variant]) -> str:
     if ref is None:
         out.append(f"  ({RUST_REFERENCE} not measured: the goals against it read n/a)")
     for v in vs:
-        if v.name in rust or v.floor is not None:
+        if not v.ours:
             continue
         out.append(f"[{v.name}]")
         s, p = get("stream", "ratio", v.name), get("paced", "ratio", v.name)
@@ -881,7 +893,7 @@ def _goals(rows: dict[tuple[str, str], Row], vs: list[Variant]) -> str:
             out.append(f"  {f'{name} CPU per request / {RUST_REFERENCE} (x)':<58} {x:7.2f}  (measured)")
         base = "floor@uvicorn"  # the server layer the gateway runs on: the rest is its own work
         for v in vs:
-            if v.name not in rust and v.floor is None and base in floors:
+            if v.ours and base in floors:
                 x = get("sat", "gw_us", v.name) / get("sat", "gw_us", base)
                 out.append(f"  {f'{v.name} CPU per request / {base} (x)':<58} {x:7.2f}  (measured)")
     return "\n".join(out)
@@ -976,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
             kept = []
             for v in vs:
                 port = free_port()
-                if v.rust_policy is not None or v.floor is not None:  # one process per pool
+                if not v.ours:  # a reference: one process per pool
                     start = start_rust_router if v.rust_policy is not None else start_floor_proxy
                     paced = free_port()
                     other = start(v, port, procs.ports, Path(tmp), args, args.gateway_cpu)
@@ -998,10 +1010,10 @@ def main(argv: list[str] | None = None) -> int:
             if not rust_router_installed():
                 print("bench.overhead: sglang-router is not installed (pip install sglang-router): "
                       "no Rust router rows", file=sys.stderr)  # fmt: skip
+            ours = {v.name for v in kept if v.ours}  # a reference's `@paced` twin is not
             for name, (proc, port) in procs.gateways.items():
                 try:
-                    ours = not name.startswith(("sgl-", "floor@"))
-                    wait_ready(port, proc, "/ready" if ours else "/health")
+                    wait_ready(port, proc, "/ready" if name in ours else "/health")
                 except RuntimeError:
                     for log in Path(tmp).glob("*.log"):
                         print(f"--- {log.name}\n{log.read_text()[-2000:]}", file=sys.stderr)
