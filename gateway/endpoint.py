@@ -22,7 +22,7 @@ from .errors import (
     RequestTimeout,
     error_body,
 )
-from .http_protocol import body_buffered, body_writer
+from .http_protocol import BodyWriter, body_buffered, body_writer
 from .kinds import EndpointKind
 from .pipeline import Pipeline, RawHeaders, request_id
 from .record import Record
@@ -163,6 +163,11 @@ async def send_error(send: Send, exc: GatewayError, close: bool = False) -> None
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+def _answered(sent: bool, writer: BodyWriter | None) -> bool:
+    """Whether the response began: through `send`, or in one write by the writer (`whole`)."""
+    return sent or (writer is not None and writer.started)
+
+
 class ProxyEndpoint:
     def __init__(self, pipeline: Pipeline, kind: EndpointKind, bodies: BodyBudget) -> None:
         self.pipeline = pipeline
@@ -249,12 +254,12 @@ class ProxyEndpoint:
             WATCH_AFTER_S, lambda: watchers.append(asyncio.ensure_future(watch_disconnect()))
         )
         error: GatewayError | None = None
-        writer = body_writer()  # a whole answer may go out through it, not through send
+        writer = body_writer()
         try:
             await pipeline.handle(snap, self.kind, raw, headers, tenant, tracked_send, rec)
         except GatewayError as exc:
             error = exc
-            if not started and not (writer is not None and writer.started):
+            if not _answered(started, writer):
                 await send_error(send, exc)
         except asyncio.CancelledError:
             if not state["gone"]:
@@ -264,7 +269,7 @@ class ProxyEndpoint:
         except Exception:
             log.exception("unexpected error on %s", scope.get("path"))
             error = GatewayError("Internal gateway error")
-            if not started and not (writer is not None and writer.started):
+            if not _answered(started, writer):
                 await send_error(send, error)
         finally:
             state["done"] = True
