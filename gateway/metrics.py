@@ -209,7 +209,7 @@ class _TracingCollector(Collector):
     _COUNTERS = (
         ("exported_spans", "gateway_trace_spans_exported", "Spans the OTLP collector accepted."),
         ("dropped_spans", "gateway_trace_spans_dropped", "Spans dropped unsent because the export queue was full (OTEL_BSP_MAX_QUEUE_SIZE)."),
-        ("failed_spans", "gateway_trace_spans_failed", "Spans given up: the collector refused them or could not be reached, after the retries that fit."),
+        ("failed_spans", "gateway_trace_spans_failed", "Spans given up: the collector refused them or could not be reached, after the retries that fit (or they could not be encoded)."),
         ("failed_exports", "gateway_trace_export_failures", "Export requests (POSTs of a batch) that failed after their retries."),
     )  # fmt: skip
 

@@ -8,12 +8,12 @@ OTLP protobuf bytes and POSTs one
 no protobuf message objects are made; the bytes decode to what the SDK's OTLP exporter sends for
 the same spans. The thread offers the GIL back every few traces, so the event loop never waits
 long for it; its work still counts as the process's CPU, which is why the encoding is kept cheap
-(attribute pairs that repeat are encoded once and cached).
+(what repeats from trace to trace is encoded once and cached).
 
 Bounded: at most `max_queue` spans wait; beyond that a trace is dropped whole, counted in
 `dropped_spans` and logged (at most one line per 10 s for each kind). Spans a collector refuses
 or never answers are counted in `failed_spans` (and their POSTs in `failed_exports`) and logged
-the same way; no error reaches a request. The counts are Prometheus metrics
+the same way, and so are those of a trace that cannot be encoded (a bug: the thread goes on); no error reaches a request. The counts are Prometheus metrics
 (`gateway_trace_spans_*_total`, metrics.py).
 
 Environment (read from the `environ` given, normally the process's):
@@ -88,7 +88,7 @@ class OtlpHttpSink:
         self._post = _Poster(settings, env, self._stopping)
         self.exported_spans = 0
         self.dropped_spans = 0  # the queue was full
-        self.failed_spans = 0  # the collector refused them or could not be reached
+        self.failed_spans = 0  # refused by the collector or unreachable (or not encodable)
         self.failed_exports = 0  # POSTs that failed (after their retries)
         # the event loop appends and counts `_added`; the thread pops and counts `_taken`: each
         # counter has one writer, so the two threads share no lock
@@ -161,9 +161,15 @@ class OtlpHttpSink:
         done = 0
         while queue:
             trace = queue.popleft()
-            trace.build()
-            blobs.append((trace.spans, encode(trace)))
-            self._encoded += trace.spans
+            try:
+                trace.build()
+                blobs.append((trace.spans, encode(trace)))
+            except Exception as exc:  # a bug: lose the trace, never the thread
+                self._taken += trace.spans
+                self.failed_spans += trace.spans
+                self._note("a trace could not be encoded (%s)", f"{type(exc).__name__}: {exc}")
+            else:
+                self._encoded += trace.spans
             done += 1
             if done % _YIELD_EVERY == 0:
                 time.sleep(0)  # let the event loop have the GIL: it never waits long for it

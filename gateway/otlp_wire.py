@@ -112,10 +112,10 @@ class SpanEncoder:
         self.max_attributes = max_attributes
         self.max_value_len = max_value_len
         self._cache: dict[tuple[str, Any], tuple[type, bytes]] = {}
-        # a child's whole attribute block, by the mapping's id (attempt spans of the same shape
-        # share one read-only mapping); the mapping is kept, so its id is not reused meanwhile
+        # a whole attribute block, by the mapping's id (attempt spans of the same shape share one
+        # read-only mapping, roots their repeating group); the mapping is kept, so its id is not
+        # reused meanwhile
         self._blocks: dict[int, tuple[Mapping[str, Any], bytes]] = {}
-        self._groups: dict[tuple[tuple[str, Any], ...], bytes] = {}  # a root's repeating set
         # name (5) and kind (6) of each span shape
         self._root_name = _field(0x2A, ROOT_SPAN.encode()) + _KIND["SERVER"]
         self._child_name = {
@@ -150,7 +150,7 @@ class SpanEncoder:
                 b"\x22\x08" + parent.span_id.to_bytes(8, "big") if parent is not None else b"",
                 self._root_name,
                 _TIMES(0x39, rt.start_ns, 0x41, rt.end_ns),
-                self.attributes(rt.attributes, rt.repeat),
+                self.attributes(rt.attributes, rt.group),
                 _STATUS_UNSET if rt.error is None else _status_error(rt.error),
                 _FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL,
             )
@@ -159,7 +159,7 @@ class SpanEncoder:
         return b"".join(out)
 
     def _block(self, attrs: Mapping[str, Any]) -> bytes:
-        """A child's attributes, encoded once per mapping object."""
+        """Attributes of a shared read-only mapping, encoded once per mapping object."""
         hit = self._blocks.get(id(attrs))
         if hit is not None and hit[0] is attrs:
             return hit[1]
@@ -169,30 +169,20 @@ class SpanEncoder:
         self._blocks[id(attrs)] = (attrs, block)
         return block
 
-    def attributes(self, attrs: Mapping[str, Any], repeat: int = 0) -> bytes:
+    def attributes(self, attrs: Mapping[str, Any], group: Mapping[str, Any] | None = None) -> bytes:
         """Span.attributes (9) fields, and dropped_attributes_count (10) past the count limit.
 
-        The first `repeat` attributes repeat from request to request as a set: they are encoded
-        as one cached block (their producer names only str, int and str-tuple values there).
+        `group`, when given, is the mapping `attrs` begins with (`RequestTrace.group`, shared by
+        the traces that repeat it): it is encoded once, as one cached block.
         """
         items: Iterable[tuple[str, Any]] = attrs.items()
         dropped = len(attrs) - self.max_attributes
         parts = []
         if dropped > 0:  # as the SDK's BoundedAttributes: the latest ones are kept
             items = list(items)[dropped:]
-        elif repeat:
-            it = iter(items)
-            key = tuple(islice(it, repeat))
-            try:
-                block = self._groups.get(key)
-            except TypeError:  # an unhashable value: each attribute on its own
-                block = self.attributes(dict(key))
-            if block is None:
-                if len(self._groups) >= _CACHE_MAX:
-                    self._groups.clear()
-                block = self._groups[key] = self.attributes(dict(key))
-            parts.append(block)
-            items = it
+        elif group is not None:
+            parts.append(self._block(group))
+            items = islice(items, len(group), None)
         cache, max_len = self._cache, self.max_value_len
         for item in items:
             # (name, value) is the key; the value's type is checked as 1 == 1.0 == True

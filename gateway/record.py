@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 from policies.types import Decision
 
@@ -212,6 +214,51 @@ class Recorder:
         )
 
 
+_NAMES = RequestTrace.NAMES
+_PROMPT_TOKENS, _PROMPT_BLOCKS = _NAMES["prompt_tokens_estimated"], _NAMES["prompt_blocks"]
+_CACHED_BLOCKS, _HASH_US = _NAMES["predicted_cached_blocks"], _NAMES["route_hash_us"]
+_MATCH_US, _CHOOSE_US = _NAMES["route_match_us"], _NAMES["route_choose_us"]
+_INPUT_TOKENS, _OUTPUT_TOKENS = _NAMES["input_tokens"], _NAMES["output_tokens"]
+_SAME: dict[tuple[object, ...], Mapping[str, object]] = {}  # a trace's repeating set, by values
+_SAME_MAX = 4096  # sets kept; cleared when full
+
+
+def _same(key: tuple[Any, ...]) -> Mapping[str, object]:
+    """The root attributes that repeat from request to request, as one read-only mapping."""
+    (model, tenant, pool, tried, outcome, method, path, priority, replica, policy, reason,
+     version, code) = key  # fmt: skip
+    a = _NAMES
+    same: dict[str, object] = {
+        a["model"]: model,
+        a["tenant"]: tenant,
+        a["pool"]: pool,
+        a["retries"]: max(0, len(tried) - 1),
+        a["outcome"]: outcome,
+        a["method"]: "POST" if method == b"POST" else method.decode(),
+        a["url_scheme"]: "http",
+    }
+    if path:  # the proxied routes are fixed paths: the route is the path
+        same[a["url_path"]] = same[a["route"]] = path if isinstance(path, str) else path.decode()
+    if priority:
+        same[a["priority"]] = priority
+    if replica != "none":
+        same[a["replica"]] = replica
+    if policy:
+        same[a["policy"]] = policy
+    if reason:
+        same[a["route_reason"]] = reason
+    if version:
+        same[a["config_version"]] = version
+    if tried:
+        same[a["replicas_tried"]] = tried
+    if code:
+        same[a["status_code"]] = code
+    if len(_SAME) >= _SAME_MAX:
+        _SAME.clear()
+    got = _SAME[key] = MappingProxyType(same)
+    return got
+
+
 def _finish_trace(rec: Record, tr: RequestTrace, status: int, now: int) -> None:
     if not tr.sampled:
         tr.finish(end_ns=0)  # nothing is recorded for an unsampled trace
@@ -243,52 +290,30 @@ def _finish_trace(rec: Record, tr: RequestTrace, status: int, now: int) -> None:
         sent.input_tokens, sent.output_tokens, status, rec.path or sent.path, sent.method,
     )  # fmt: skip
 
-    def named() -> tuple[dict[str, object], dict[str, object]]:  # no Record or RequestTrace in it
+    def named() -> tuple[Mapping[str, object], dict[str, object]]:  # no Record or RequestTrace
         (model, tenant, pool, prompt_tokens, blocks, hit_blocks, tried, outcome, priority,
          replica, policy, reason, version, stages, input_tokens, output_tokens, code, path,
          method) = v  # fmt: skip
-        a = RequestTrace.NAMES
-        # what repeats from request to request first (the encoder caches it as one block)
-        same: dict[str, object] = {
-            a["model"]: model,
-            a["tenant"]: tenant,
-            a["pool"]: pool,
-            a["retries"]: max(0, len(tried) - 1),
-            a["outcome"]: outcome,
-            a["method"]: "POST" if method == b"POST" else method.decode(),
-            a["url_scheme"]: "http",
-        }
-        if path:  # the proxied routes are fixed paths: the route is the path
-            same[a["url_path"]] = same[a["route"]] = (
-                path if isinstance(path, str) else path.decode()
-            )
-        if priority:
-            same[a["priority"]] = priority
-        if replica != "none":
-            same[a["replica"]] = replica
-        if policy:
-            same[a["policy"]] = policy
-        if reason:
-            same[a["route_reason"]] = reason
-        if version:
-            same[a["config_version"]] = version
-        if tried:
-            same[a["replicas_tried"]] = tried
-        if code:
-            same[a["status_code"]] = code
+        # what repeats from request to request first: one shared mapping per set of values,
+        # which the encoder encodes once (by identity) and build() reuses with the Host's names
+        key = (model, tenant, pool, tried, outcome, method, path, priority, replica, policy,
+               reason, version, code)  # fmt: skip
+        same = _SAME.get(key)
+        if same is None:
+            same = _same(key)
         measured: dict[str, object] = {
-            a["prompt_tokens_estimated"]: prompt_tokens,
-            a["prompt_blocks"]: blocks,
-            a["predicted_cached_blocks"]: hit_blocks,
+            _PROMPT_TOKENS: prompt_tokens,
+            _PROMPT_BLOCKS: blocks,
+            _CACHED_BLOCKS: hit_blocks,
         }
         if stages is not None:
-            measured[a["route_hash_us"]] = stages[0] // 1000
-            measured[a["route_match_us"]] = stages[1] // 1000
-            measured[a["route_choose_us"]] = stages[2] // 1000
+            measured[_HASH_US] = stages[0] // 1000
+            measured[_MATCH_US] = stages[1] // 1000
+            measured[_CHOOSE_US] = stages[2] // 1000
         if input_tokens is not None:
-            measured[a["input_tokens"]] = input_tokens
+            measured[_INPUT_TOKENS] = input_tokens
         if output_tokens is not None:
-            measured[a["output_tokens"]] = output_tokens
+            measured[_OUTPUT_TOKENS] = output_tokens
         return same, measured
 
     tr.finish(

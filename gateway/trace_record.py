@@ -178,7 +178,7 @@ class RequestTrace:
         "error",
         "host",
         "agent",
-        "repeat",
+        "group",
     )
 
     def __init__(
@@ -210,9 +210,11 @@ class RequestTrace:
         self.error: str | None = None
         self.host = host  # the request's Host and User-Agent headers, named when built
         self.agent = agent
-        # how many leading `attributes` repeat from request to request as a set (a request's
-        # names: model, tenant, pool, replica, status...), which an encoder may cache as one
-        self.repeat = 0
+        # the leading `attributes` that repeat from request to request as a set (a request's
+        # names: model, tenant, pool, replica, status...), one mapping shared by the traces
+        # that have them, which an encoder may encode once; `attributes` begins with it and
+        # never changes those entries; None when there is no such set
+        self.group: Mapping[str, Any] | None = None
 
     @property
     def trace_id(self) -> str:
@@ -260,11 +262,12 @@ class RequestTrace:
 
         `attrs` are root attributes as in `set` (checked now); `named` are more, by span
         attribute name and without None values, or a function that returns them when the spans
-        are built (the request path's form: nothing is named on the event loop); as a pair, the
-        attributes that repeat from request to request, then the measured ones. A segment that
-        starts before the previous one ended is moved up to that end, so the segments never
-        overlap; `gateway.ttft_s` (from `prefill` only: a non-streamed answer's first token is
-        not seen) and `gateway.tpot_s` (from `decode`) are derived when not given. `attempts`
+        are built (the request path's form: nothing is named on the event loop); as a
+        pair, the attributes that repeat from request to request (a read-only mapping: one per
+        set of values, shared), then the measured ones. A segment that starts before the
+        previous one ended is moved up to that end, so the segments never overlap;
+        `gateway.ttft_s` (from `prefill` only: a non-streamed answer's first token is not seen)
+        and `gateway.tpot_s` (from `decode`) are derived when not given. `attempts`
         are as `Forwarded.attempts` holds them (perf_counter_ns stamps, turned into epoch ns on
         this trace's clock offset when built).
         """
@@ -287,15 +290,21 @@ class RequestTrace:
             return
         segs, attempts, end_ns, named, error_type = given
         values = self.attributes
-        fresh = not values
         got = (named() if callable(named) else named) if named else _EMPTY
         repeat, measured = got if isinstance(got, tuple) else (got, None)
-        values.update(repeat)
-        if self.host is not None or self.agent is not None:
-            http_server(values, self.host, self.agent)
+        if not values and measured is not None and type(repeat) is MappingProxyType:
+            # a shared (read-only) repeating set: with the Host's names, one mapping, kept
+            key = (id(repeat), self.host, self.agent)
+            hit = _groups.get(key)
+            if hit is None or hit[0] is not repeat:
+                hit = _group(key, repeat)
+            self.group = group = hit[1]
+            values.update(group)
+        else:
+            values.update(repeat)
+            if self.host is not None or self.agent is not None:
+                http_server(values, self.host, self.agent)
         if measured is not None:
-            if fresh:
-                self.repeat = len(values)
             values.update(measured)
         children = self.segments
         start = prev = self.start_ns
@@ -328,6 +337,24 @@ class RequestTrace:
         else:
             values.setdefault(_OUTCOME, "ok")
         self.end_ns = end
+
+
+_GROUPS_MAX = 4096  # groups kept; cleared when full
+# (id of a named repeating set, Host, User-Agent) → (that set, kept alive; the group)
+_groups: dict[tuple[int, bytes | None, bytes | None], tuple[Mapping[str, Any], Mapping[str, Any]]]
+_groups = {}
+
+
+def _group(
+    key: tuple[int, bytes | None, bytes | None], repeat: Mapping[str, Any]
+) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """A repeating set with the request's Host and User-Agent names, as one read-only mapping."""
+    values = dict(repeat)
+    http_server(values, key[1], key[2])
+    if len(_groups) >= _GROUPS_MAX:
+        _groups.clear()
+    hit = _groups[key] = (repeat, values)  # a dict (dict.update takes it fast), never changed
+    return hit
 
 
 def _names(attrs: Mapping[str, Any]) -> dict[str, Any]:

@@ -341,6 +341,37 @@ async def test_a_gateway_request_exports_its_spans_and_continues_the_trace(
         assert attempt.end_time_unix_nano == spans[segs[-1]].end_time_unix_nano
 
 
+async def test_the_gateways_own_traces_encode_as_the_sdk_would_with_the_caches_warm() -> None:
+    """What the request path records (its repeating attributes shared between traces, encoded
+    once) decodes to the SDK's encoding of the same trace, for the first trace of a shape and
+    for those that reuse its cached blocks; a different shape gets blocks of its own."""
+    captured: list[RequestTrace] = []
+    up = Upstream("a", chunks=4)
+    tracing, gw, served = await serve("http://127.0.0.1:9", up, {})
+    sink = tracing.sink
+    assert isinstance(sink, OtlpHttpSink)
+    sink.end = captured.append  # type: ignore[method-assign]
+    try:
+        async with httpx.AsyncClient() as h:
+            for stream, model in ((False, "test-model"),) * 3 + ((True, "other-model"),):
+                body = {"model": model, "messages": CHAT, "stream": stream}
+                res = await h.post(gw.url + "/v1/chat/completions", json=body)
+                assert res.status_code == 200
+    finally:
+        await gw.stop()
+        await served.stop()
+    assert len(captured) == 4
+    sdk = SdkSpans(SimpleSpanProcessor(InMemorySpanExporter()), tracing.resource, tracing.scope)
+    for rt in captured:
+        ours = ExportTraceServiceRequest.FromString(sink.request([rt]))
+        assert ours == encode_spans(sdk.spans(rt))
+    first, second, third, other = captured
+    assert first.group is not None and second.group is first.group is third.group
+    assert other.group is not None and other.group is not first.group
+    assert other.attributes["gen_ai.request.model"] == "other-model"
+    sink.shutdown()
+
+
 async def test_sampling_off_exports_nothing_but_propagates(collector: Collector) -> None:
     up = Upstream("a")
     tracing, gw, served = await serve(collector.url, up, FAST, sampling_ratio=0.0)
@@ -480,6 +511,34 @@ def test_the_queue_is_bounded_and_sends_in_batches(collector: Collector) -> None
     assert sink.exported_spans == 50 and sink.queued_spans == 0
     assert [len(ExportTraceServiceRequest.FromString(b).resource_spans[0].scope_spans[0].spans)
             for _, _, b in collector.posts] == [20, 20, 10]  # fmt: skip
+
+
+def test_a_trace_that_cannot_be_encoded_is_given_up_and_counted(
+    collector: Collector, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failure to encode (a bug) loses that trace (counted as failed, logged), never the export
+    thread: the next trace is sent as usual."""
+    tracing = Tracing(otlp(collector.url), environ={})
+    sink = tracing.sink
+    assert isinstance(sink, OtlpHttpSink)
+    good = sink.encoder.encode
+
+    def broken(rt: RequestTrace) -> bytes:
+        raise ValueError("no such field")
+
+    sink.encoder.encode = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="gateway.tracing"):
+        a_full_trace(tracing, incoming=False)
+        sink._wake.set()  # encode now, not after 256 traces
+        deadline = time.monotonic() + 10
+        while sink.failed_spans < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert sink.failed_spans == 5 and sink.queued_spans == 0
+    assert "could not be encoded (ValueError: no such field)" in caplog.text
+    sink.encoder.encode = good  # type: ignore[method-assign]
+    a_full_trace(tracing, incoming=False)
+    tracing.shutdown()
+    assert sink.exported_spans == 5 and len(collector.spans()) == 5
 
 
 def test_bad_exporter_variables_are_named() -> None:
