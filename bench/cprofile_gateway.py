@@ -20,15 +20,11 @@ import asyncio
 import cProfile
 import io
 import pstats
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import orjson
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load(port: int, seconds: float) -> None:
@@ -59,12 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         _load(args.load_port, args.seconds)
         return 0
 
-    import uvicorn
     import uvloop
 
+    from bench import in_process
     from bench.overhead import gateway_config, policy_variant, traced
     from gateway import create_app, parse_config
-    from gateway.http_protocol import GuardedHttpToolsProtocol
     from gateway.otlp import OtlpHttpSink
     from simulator.harness import free_port
 
@@ -80,47 +75,31 @@ def main(argv: list[str] | None = None) -> int:
 
         OtlpHttpSink._run = timed  # type: ignore[method-assign]
 
-    up = subprocess.Popen([sys.executable, "-m", "bench.zero_upstream", "--ports", "3",
-                           "--paced-ports", "1"], stdout=subprocess.PIPE, cwd=ROOT)  # fmt: skip
-    assert up.stdout is not None
-    started = orjson.loads(up.stdout.readline())
-    ports, port = started["ports"], free_port()
-    variant = policy_variant(args.policy)  # bench.overhead's config: its load goes to `zero`
-    if args.tracing:  # the upstream's /v1/traces is an OTLP/HTTP sink
-        variant = traced(variant, f"http://127.0.0.1:{ports[0]}")
-    cfg = gateway_config(port, ports, started["paced_ports"], variant)
-    app = create_app(parse_config(cfg), own_process=True)
-    prof = cProfile.Profile()
-    result: dict[str, Any] = {}
+    with in_process.upstream() as started:
+        ports, port = started["ports"], free_port()
+        variant = policy_variant(args.policy)  # bench.overhead's config: its load goes to `zero`
+        if args.tracing:  # the upstream's /v1/traces is an OTLP/HTTP sink
+            variant = traced(variant, f"http://127.0.0.1:{ports[0]}")
+        cfg = gateway_config(port, ports, started["paced_ports"], variant)
+        app = create_app(parse_config(cfg), own_process=True)
+        prof = cProfile.Profile()
+        result: dict[str, Any] = {}
 
-    async def serve() -> None:
-        server = uvicorn.Server(uvicorn.Config(
-            app, host="127.0.0.1", port=port, loop="uvloop", http=GuardedHttpToolsProtocol,
-            lifespan="on", log_config=None, access_log=False, proxy_headers=False,
-        ))  # fmt: skip
-        task = asyncio.create_task(server.serve())
-        while not server.started:  # noqa: ASYNC110 - uvicorn sets a flag, no event
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(2.0)  # the first probes and scrapes
-        gen = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.cprofile_gateway", "--load-port", str(port),
-            "--seconds", str(args.seconds), cwd=ROOT, stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        assert gen.stdout is not None
-        await asyncio.sleep(0.5)  # the generator's warm-up
-        prof.enable()
-        out = await gen.stdout.read()
-        prof.disable()
-        await gen.wait()
-        result.update(orjson.loads(out.splitlines()[-1]))
-        server.should_exit = True
-        await task
+        async def serve() -> None:
+            server, task = await in_process.start(app, port)
+            await asyncio.sleep(2.0)  # the first probes and scrapes
+            gen = await in_process.load(port, args.seconds)
+            assert gen.stdout is not None
+            await asyncio.sleep(0.5)  # the generator's warm-up
+            prof.enable()
+            out = await gen.stdout.read()
+            prof.disable()
+            await gen.wait()
+            result.update(orjson.loads(out.splitlines()[-1]))
+            server.should_exit = True
+            await task
 
-    try:
         uvloop.run(serve())
-    finally:
-        up.terminate()
-        up.wait(10)
     answers = max(1, int(result.get("answers", 0)))
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
