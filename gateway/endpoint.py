@@ -14,6 +14,7 @@ import logging
 import time
 from contextlib import nullcontext
 
+from . import delays
 from .budgets import BodyBudget
 from .errors import (
     BadRequest,
@@ -32,7 +33,8 @@ from .types import Message, Receive, Scope, Send
 
 log = logging.getLogger("gateway")
 
-WATCH_AFTER_S = 0.02  # a client that leaves is noticed within this long (then at once)
+WATCH_AFTER_S = 0.02  # a client that leaves is noticed within this long (then at once)...
+WATCH_TICK_S = 0.01  # ...or this much later
 DRAIN_BYTES = 1 << 20  # an over-limit body this close to the limit is read and dropped, see below
 REFUSED_DRAIN_S = 1.0  # the most time spent dropping the body of a request refused before it
 
@@ -168,11 +170,39 @@ def _answered(sent: bool, writer: BodyWriter | None) -> bool:
     return sent or (writer is not None and writer.started)
 
 
+class _Watch:
+    """Cancels a request's task when its client disconnects, from WATCH_AFTER_S into it on (a
+    task reading `receive`); the many requests that end before never start one."""
+
+    __slots__ = ("receive", "task", "watcher", "done", "gone")
+
+    def __init__(self, receive: Receive, task: asyncio.Task[object]) -> None:
+        self.receive, self.task = receive, task
+        self.watcher: asyncio.Task[None] | None = None
+        self.done = self.gone = False
+
+    def start(self) -> None:
+        if not self.done:
+            self.watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        msg = await self.receive()
+        if msg["type"] == "http.disconnect" and not self.done:
+            self.gone = True
+            self.task.cancel()
+
+    def stop(self) -> None:
+        self.done = True
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+
 class ProxyEndpoint:
     def __init__(self, pipeline: Pipeline, kind: EndpointKind, bodies: BodyBudget) -> None:
         self.pipeline = pipeline
         self.kind = kind
         self.bodies = bodies
+        self._watching: delays.FixedDelay | None = None  # the loop's WATCH_AFTER_S deadlines
 
     async def refuse(self, send: Send, exc: GatewayError) -> None:
         """Answer `exc` without reading the body (full request slots), recorded like any request."""
@@ -240,19 +270,11 @@ class ProxyEndpoint:
 
         task = asyncio.current_task()
         assert task is not None
-        state = {"done": False, "gone": False}
-
-        async def watch_disconnect() -> None:
-            msg = await receive()
-            if msg["type"] == "http.disconnect" and not state["done"]:
-                state["gone"] = True
-                task.cancel()
-
-        # most requests finish before this fires: no watcher task for them at all
-        watchers: list[asyncio.Task[None]] = []
-        timer = asyncio.get_running_loop().call_later(
-            WATCH_AFTER_S, lambda: watchers.append(asyncio.ensure_future(watch_disconnect()))
-        )
+        watch = _Watch(receive, task)
+        watching = self._watching
+        if watching is None or watching.loop is not task.get_loop():
+            watching = self._watching = delays.shared(task.get_loop(), WATCH_AFTER_S, WATCH_TICK_S)
+        watching.arm(watch, watch.start)  # most requests end before: no watcher task for them
         error: GatewayError | None = None
         writer = body_writer()
         try:
@@ -262,7 +284,7 @@ class ProxyEndpoint:
             if not _answered(started, writer):
                 await send_error(send, exc)
         except asyncio.CancelledError:
-            if not state["gone"]:
+            if not watch.gone:
                 raise
             task.uncancel()
             rec.outcome, rec.error_type = "client_disconnected", "client_disconnected"
@@ -272,8 +294,6 @@ class ProxyEndpoint:
             if not _answered(started, writer):
                 await send_error(send, error)
         finally:
-            state["done"] = True
-            timer.cancel()
-            for w in watchers:
-                w.cancel()
+            watching.disarm(watch)
+            watch.stop()
         await pipeline.finish(snap, rec, error)

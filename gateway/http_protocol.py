@@ -19,9 +19,12 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
+from . import delays
+
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 256
 HEADER_TIMEOUT_S = 10.0
+DEADLINE_TICK_S = 0.25  # the header and keep-alive deadlines fire up to this much late
 
 _REFUSALS = {
     408: b"HTTP/1.1 408 Request Timeout\r\n",
@@ -125,8 +128,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._header_bytes = 0
         self._header_count = 0
-        self._header_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        # the deadlines each connection keeps, on queues the loop's connections share (no loop
+        # timer per request); their callbacks made once
+        self._header_deadline = delays.shared(self.loop, HEADER_TIMEOUT_S, DEADLINE_TICK_S)
+        self._idle_deadline = delays.shared(self.loop, self.timeout_keep_alive, DEADLINE_TICK_S)
+        self._on_slow = self._too_slow
+        self._on_idle = self.timeout_keep_alive_handler
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -134,7 +142,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._idle_deadline.disarm(self)
         super().connection_lost(exc)
+
+    # uvicorn arms a loop timer for the keep-alive timeout after every response; this protocol
+    # arms the loop's shared queue of such deadlines instead (what uvicorn's
+    # on_response_complete does, with that one change)
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_deadline.disarm(self)
+
+    def on_response_complete(self) -> None:
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._idle_deadline.disarm(self)
+        self.flow.resume_reading()
+        if self.pipeline:  # the next pipelined request, if any; else wait for one
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self._idle_deadline.arm(self, self._on_idle)
 
     def shutdown(self) -> None:
         grace = self.config.timeout_graceful_shutdown
@@ -189,16 +216,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(431, "Request headers too large")
 
     def _arm(self) -> None:
-        self._disarm()
-        self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._too_slow)
+        self._header_deadline.arm(self, self._on_slow)
 
     def _disarm(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        self._header_deadline.disarm(self)
 
     def _too_slow(self) -> None:
-        self._header_timer = None
         if self.cycle is None or self.cycle.response_complete:  # no request in progress
             self._refuse(408, "Request headers not received in time")
 
