@@ -6,9 +6,12 @@ gateway's own upstream client (`gateway/http_client.py`), and the answer comes b
 bodies chunk by chunk. Two server layers in front of it, one per row:
 
 - `uvicorn`: a bare ASGI app under uvicorn with httptools and uvloop, configured as `gateway
-  serve` runs it (no proxy headers, no access log);
-- `raw`: an asyncio protocol that parses requests with httptools itself and writes each
-  answer's bytes straight to the socket (streamed bodies from the upstream connection's
+  serve` runs it (the gateway's protocol, no proxy headers, no access log) and answering as
+  the gateway does (a whole answer in one write, `BodyWriter.whole`; stream chunks straight to
+  the socket when the client takes them, `BodyWriter.write`);
+- `raw`: an asyncio protocol that parses requests with httptools itself (keeping each header,
+  lowercased, as uvicorn does and any server must) and writes each answer's bytes straight to
+  the socket (streamed bodies from the upstream connection's
   callback, as the gateway's fast lane does), no ASGI at all.
 
 So `floor@uvicorn` minus `floor@raw` is what the ASGI server layer costs a request, and
@@ -30,6 +33,7 @@ from typing import Any
 import httptools
 
 from gateway.http_client import HttpClient
+from gateway.http_protocol import GuardedHttpToolsProtocol, body_writer
 
 MAX_ANSWER_BYTES = 64 << 20
 JSON = [(b"content-type", b"application/json")]
@@ -66,6 +70,7 @@ class RawServer(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []  # kept, as any server must (its key, length)
         self.parts: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -81,12 +86,15 @@ class RawServer(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
     def on_body(self, body: bytes) -> None:
         self.parts.append(body)
 
     def on_message_complete(self) -> None:
         url, body = self.url, b"".join(self.parts)
-        self.url, self.parts = b"", []
+        self.url, self.parts, self.headers = b"", [], []
         assert self.transport is not None
         if self.parser.get_method() != b"POST":
             self.transport.write(_head(200, b"text/plain", 2) + b"ok")
@@ -132,8 +140,11 @@ def asgi_app(ups: Upstreams) -> Callable[..., Any]:
             more = msg.get("more_body", False)
         resp = await ups.forward(scope["raw_path"], b"".join(parts))
         ctype = _content_type(resp)
+        writer = body_writer()  # the gateway's own lanes: one write per answer, chunks direct
         if not ctype.startswith(b"text/event-stream"):
             data = await resp.read_all(MAX_ANSWER_BYTES)
+            if writer is not None and writer.whole(resp.status, [(b"content-type", ctype)], data):
+                return
             headers = [(b"content-type", ctype), (b"content-length", b"%d" % len(data))]
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             await send({"type": "http.response.body", "body": data})
@@ -141,7 +152,8 @@ def asgi_app(ups: Upstreams) -> Callable[..., Any]:
         await send({"type": "http.response.start", "status": resp.status,
                     "headers": [(b"content-type", ctype)]})  # fmt: skip
         while chunk := await resp.read_chunk():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if writer is None or not writer.write(chunk):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
     return app
@@ -160,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
 
         ups = Upstreams(args.upstream)
         config = uvicorn.Config(
-            asgi_app(ups), host="127.0.0.1", port=args.port, loop="uvloop", http="httptools",
+            asgi_app(ups), host="127.0.0.1", port=args.port, loop="uvloop",
+            http=GuardedHttpToolsProtocol,
             lifespan="off", log_config=None, access_log=False, proxy_headers=False,
         )  # fmt: skip
         uvicorn.Server(config).run()
