@@ -15,6 +15,7 @@ short-lived deadlines costs at most `1 / tick_s` loop timers a second, however m
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Callable, Hashable
 from weakref import WeakKeyDictionary
@@ -52,7 +53,9 @@ class FixedDelay:
         at = self.loop.time() + self.delay_s
         due[key] = (at, callback)
         if self._timer is None:
-            self._timer = self.loop.call_at(at, self._fire)
+            # in a context of its own: the request that armed the first deadline would else be
+            # kept alive by every timer after it (its context vars: its BodyWriter, its trace)
+            self._timer = self.loop.call_at(at, self._fire, context=contextvars.Context())
 
     def disarm(self, key: Hashable) -> None:
         """`key`'s callback is not called (nothing when it is not armed). The loop timer stays:
@@ -67,7 +70,9 @@ class FixedDelay:
             key = next(iter(due))
             at, callback = due[key]
             if at > now + EARLY_S:
-                self._timer = self.loop.call_at(max(at, now + self.tick_s), self._fire)
+                self._timer = self.loop.call_at(
+                    max(at, now + self.tick_s), self._fire, context=contextvars.Context()
+                )
                 return
             del due[key]
             try:

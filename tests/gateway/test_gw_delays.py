@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 
 import uvicorn
 
@@ -125,3 +126,24 @@ async def test_an_idle_kept_alive_connection_is_closed_and_a_busy_one_kept() -> 
     finally:
         server.should_exit = True
         await task
+
+
+async def test_callbacks_run_in_no_arming_requests_context() -> None:
+    """The one timer is made by whichever request armed first: were it made in that request's
+    context, every later timer (made as the earlier fires) would keep that request alive."""
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="none")
+    loop = asyncio.get_running_loop()
+    q = delays.FixedDelay(loop, 0.02, 0.01)
+    seen: list[str] = []
+
+    def first() -> None:
+        seen.append(var.get())
+        q.arm("again", lambda: seen.append(var.get()))  # its timer made as the first fires
+
+    async def request() -> None:
+        var.set("first request")
+        q.arm("first", first)
+
+    await asyncio.create_task(request())
+    await asyncio.sleep(0.15)
+    assert seen == ["none", "none"]
