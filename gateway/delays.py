@@ -10,6 +10,8 @@ last firing), fires everything due. A deadline fires up to `tick_s` late, and a 
 short-lived deadlines costs at most `1 / tick_s` loop timers a second, however many requests.
 
 `shared(loop, delay_s, tick_s)` is the loop's queue of that delay, for everything on that loop.
+Deadlines of varying length (an upstream response's header, idle and total timeouts) wait on the
+upstream client's slotted wheel instead (`http_client._Timers`).
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        self._idle_deadline.disarm(self)
+        self._unset_keepalive_if_required()
         super().connection_lost(exc)
 
     # uvicorn arms a loop timer for the keep-alive timeout after every response; this protocol
@@ -155,7 +155,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
-        self._idle_deadline.disarm(self)
+        self._unset_keepalive_if_required()
         self.flow.resume_reading()
         if self.pipeline:  # the next pipelined request, if any; else wait for one
             cycle, app = self.pipeline.pop()
