@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sort", default="tottime", help="pstats order: tottime, cumulative, ncalls")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--tracing", action="store_true", help="sampling 1.0, OTLP/HTTP to the upstream")
+    p.add_argument("--dump", help="also write the raw profile here (pstats, snakeviz)")
     p.add_argument("--load-port", type=int, help=argparse.SUPPRESS)  # the child's side
     args = p.parse_args(argv)
     if args.load_port is not None:
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
         uvloop.run(serve())
     answers = max(1, int(result.get("answers", 0)))
+    if args.dump:
+        prof.dump_stats(args.dump)
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats(args.sort).print_stats(args.top)

@@ -193,9 +193,11 @@ LOAD_KEYS = ("sat", "stream", "paced", "half", "ttft")
 
 
 def chat_bodies(n: int, stream: bool, model: str, size: int = 2048) -> list[bytes]:
-    """n distinct ~2 KB chat bodies: one shared system prompt, a different user turn each."""
+    """n distinct ~2 KB chat bodies: one shared system prompt (~1.3 KB), a different user turn
+    each (the rest, so every body has blocks of its own past the shared prefix)."""
     rng = random.Random(1234)
-    words = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(8000)).split()
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(1500)]
     system = "You are a helpful assistant. " + " ".join(words[:200])
     out = []
     for i in range(n):
