@@ -1052,8 +1052,10 @@ def _preamble(args: argparse.Namespace, plan: Plan, elapsed: float) -> str:
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     src = args.gateway_src or "the installed gateway"
+    sizes = [len(b) for b in chat_bodies(256, False, MODEL)]
     return (
         f"bench.overhead: {plan.repeats} repeat(s), {args.replicas} replicas per pool, "
+        f"256 chat bodies of {min(sizes)}-{max(sizes)} bytes, "
         f"{args.chunks} SSE chunks/stream, paced {args.chunk_delay_ms:g} ms/chunk; gateway ({src}) "
         f"on CPU {args.gateway_cpu}, upstream + generator on CPU {args.load_cpu}; {cpu}, "
         f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; took {elapsed:.0f} s\n"
