@@ -14,7 +14,6 @@ import sys
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from itertools import repeat
 
 from prefix_index._bound import BoundedScopes, check_bounds
 from prefix_index._scope import NEVER, RoutedEntries, clear_bit
@@ -52,9 +51,9 @@ def _record_chain(
 ) -> None:
     """`_record_blocks` for a replica without holes, whose blocks are prefix-closed: past the
     last block it holds, every earlier one is held too, so only the new tail is looked at one by
-    one and the held prefix is refreshed by loops that run in C (most records repeat a prefix:
-    a shared system prompt, a conversation's history). A missing block (the invariant broken)
-    falls back to the general loop, which leaves the same order."""
+    one and the held prefix is only moved to the end and given the new expiry (most records
+    repeat a prefix: a shared system prompt, a conversation's history). A missing block (the
+    invariant broken) falls back to the general loop, which leaves the same order."""
     get = table.get
     i = len(hashes)
     while i and not get(hashes[i - 1], 0) & bit:
@@ -64,14 +63,19 @@ def _record_chain(
         lru[h] = expiry
     if not i:
         return
-    held = hashes[:i]
+    move = lru.move_to_end
     try:
-        deque(map(lru.move_to_end, reversed(held)), maxlen=0)
+        if expiry == NEVER:  # no TTL: only the order changes, in a loop that runs in C
+            deque(map(move, reversed(hashes[:i])), maxlen=0)
+        else:
+            # one loop: 125-180 ns a block, where a map of move_to_end and then
+            # lru.update(zip(held, repeat(expiry))) took 240-330 (OrderedDict's update pays
+            # a slot call and a tuple per item)
+            for h in reversed(hashes[:i]):
+                move(h)
+                lru[h] = expiry
     except KeyError:
         _record_blocks(table, lru, bit, hashes, expiry)
-        return
-    if expiry != NEVER:
-        lru.update(zip(held, repeat(expiry)))
 
 
 class MemoryIndex(BoundedScopes, PrefixIndex, EngineEventSink):
