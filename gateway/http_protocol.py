@@ -69,29 +69,9 @@ class BodyWriter:
         headers (content-length, transfer-encoding, connection); a header with a CR or LF
         is left to uvicorn's `send`, which refuses it."""
         c = self.cycle
-        if (
-            c.response_started
-            or c.disconnected
-            or c.flow.write_paused
-            or c.scope["method"] == "HEAD"
-            or status not in STATUS_LINE
-        ):
+        head = self._head(status, headers, b"content-length: %d\r\n\r\n" % len(body))
+        if head is None:
             return False
-        parts = [STATUS_LINE[status]]
-        lines = 2  # the status line, the blank line
-        for name, value in (*c.default_headers, *headers):
-            parts += (name, b": ", value, b"\r\n")
-            lines += 1
-        if not c.keep_alive:
-            parts.append(b"connection: close\r\n")
-            lines += 1
-        parts.append(b"content-length: %d\r\n\r\n" % len(body))
-        lines += 1
-        head = b"".join(parts)
-        if head.count(b"\n") != lines or head.count(b"\r") != lines:
-            return False
-        c.response_started = True
-        c.waiting_for_100_continue = False
         c.chunked_encoding = False
         c.expected_content_length = 0
         c.transport.write(head + body)
@@ -101,6 +81,51 @@ class BodyWriter:
             c.transport.close()
         c.on_response()
         return True
+
+    def begin(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes) -> bool:
+        """Start a chunked response and write `first` as its first chunk (none when empty), in
+        one write: a stream's head and first event leave together, where `send` makes two
+        writes and two ASGI messages of them. False when it cannot (as for `whole`); then
+        nothing was written: `send` the start and the chunk."""
+        c = self.cycle
+        head = self._head(status, headers, b"transfer-encoding: chunked\r\n\r\n")
+        if head is None:
+            return False
+        c.chunked_encoding = True
+        c.expected_content_length = 0
+        c.transport.write((head + b"%x\r\n%b\r\n" % (len(first), first)) if first else head)
+        return True
+
+    def _head(self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes | None:
+        """The response's status line and headers ending with `framing`, the response marked
+        started; None (nothing changed) when the response began already, the client is gone or
+        not taking bytes, the request is a HEAD, the status is unknown, or a header holds a CR
+        or LF."""
+        c = self.cycle
+        if (
+            c.response_started
+            or c.disconnected
+            or c.flow.write_paused
+            or c.scope["method"] == "HEAD"
+            or status not in STATUS_LINE
+        ):
+            return None
+        parts = [STATUS_LINE[status]]
+        lines = 2  # the status line, the blank line
+        for name, value in (*c.default_headers, *headers):
+            parts += (name, b": ", value, b"\r\n")
+            lines += 1
+        if not c.keep_alive:
+            parts.append(b"connection: close\r\n")
+            lines += 1
+        parts.append(framing)  # one header line, then the blank line
+        lines += 1
+        head = b"".join(parts)
+        if head.count(b"\n") != lines or head.count(b"\r") != lines:
+            return None
+        c.response_started = True
+        c.waiting_for_100_continue = False
+        return head
 
 
 _WRITER: ContextVar[BodyWriter | None] = ContextVar("kvgateway_body_writer", default=None)

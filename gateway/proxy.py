@@ -243,19 +243,16 @@ async def _relay(
     live: LiveStreams | None,
 ) -> GatewayError | None:
     resp = opened.resp
-    await send(
-        {
-            "type": "http.response.start",
-            "status": resp.status,
-            "headers": response_headers(resp, extra_headers),
-        }
-    )
+    headers = response_headers(resp, extra_headers)
     # what can go at once goes straight to the client's socket (a chunk per read: whatever
-    # arrived since the last one, never waited for); else, or under backpressure, through `send`
+    # arrived since the last one, never waited for), the head with the first; else, or under
+    # backpressure, through `send`
     writer = body_writer()
     out = tap.feed(opened.first)
-    if out and (writer is None or not writer.write(out)):
-        await send({"type": "http.response.body", "body": out, "more_body": True})
+    if writer is None or not writer.begin(resp.status, headers, out):
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        if out and (writer is None or not writer.write(out)):
+            await send({"type": "http.response.body", "body": out, "more_body": True})
     broke: GatewayError | None = None
     ended = False  # the replica's body came to its end
     try:

@@ -231,3 +231,29 @@ async def test_a_whole_answer_goes_out_in_one_write_and_keeps_the_connection(
             assert wrote == [True, True, True]
         finally:
             writer.close()
+
+
+@pytest.mark.parametrize("mode", ["ok", "split", "die_midstream"])
+async def test_a_streams_head_and_first_event_go_in_one_write(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`BodyWriter.begin` writes a stream's head with its first event; the client gets the
+    headers and bytes the ASGI path gives, and the kept-alive connection serves the next."""
+    began: list[bool] = []
+    begin = BodyWriter.begin
+
+    def counted(self: BodyWriter, *args: Any) -> bool:
+        began.append(begin(self, *args))
+        return began[-1]
+
+    monkeypatch.setattr(BodyWriter, "begin", counted)
+    body = {"model": "test-model", "messages": CHAT, "stream": True}
+    async with two_gateways(Upstream("a", mode=mode, chunks=6)) as (plain, fast):
+        async with httpx.AsyncClient(timeout=10) as h:
+            for _ in range(2):
+                rid = {"x-request-id": "req-1"}
+                a = await h.post(plain + "/v1/chat/completions", json=body, headers=rid)
+                b = await h.post(fast + "/v1/chat/completions", json=body, headers=rid)
+                assert _comparable(b) == _comparable(a)
+                assert b.headers["transfer-encoding"] == "chunked"
+    assert began == [True, True]  # only the guarded protocol has a writer
