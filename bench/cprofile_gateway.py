@@ -27,15 +27,16 @@ from typing import Any
 import orjson
 
 
-def _load(port: int, seconds: float) -> None:
-    """The child: bench.overhead's closed-loop generator against `port`."""
+def _load(port: int, seconds: float, stream: bool = False) -> None:
+    """The child: bench.overhead's closed-loop generator against `port` (64-chunk unpaced
+    streams with `stream`)."""
     import uvloop
 
     from bench.overhead import MODEL, Load, chat_bodies, http_requests, measure
 
     async def run() -> None:
-        reqs = http_requests(port, chat_bodies(256, False, MODEL))
-        w = await measure(Load("sat", "sat", False, concurrency=32, seconds=seconds), [port],
+        reqs = http_requests(port, chat_bodies(256, stream, MODEL))
+        w = await measure(Load("sat", "sat", stream, concurrency=32, seconds=seconds), [port],
                           reqs, {}, 0.5)  # fmt: skip
         print(orjson.dumps({"answers": w.n, "errors": w.errors, "rps": w.rps}).decode(), flush=True)
 
@@ -51,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracing", action="store_true", help="sampling 1.0, OTLP/HTTP to the upstream")
     p.add_argument("--dump", help="also write the raw profile here (pstats, snakeviz)")
     p.add_argument("--load-port", type=int, help=argparse.SUPPRESS)  # the child's side
+    p.add_argument("--load-stream", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.load_port is not None:
-        _load(args.load_port, args.seconds)
+        _load(args.load_port, args.seconds, args.load_stream)
         return 0
 
     import uvloop

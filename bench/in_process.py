@@ -35,12 +35,14 @@ async def start(app: Any, port: int) -> tuple[uvicorn.Server, asyncio.Task[None]
     return server, task
 
 
-async def load(port: int, seconds: float) -> asyncio.subprocess.Process:
-    """bench.overhead's closed-loop generator against `port` for `seconds`, in a child process
-    (bench.cprofile_gateway's `--load-port` side); its last stdout line is a JSON summary."""
+async def load(port: int, seconds: float, stream: bool = False) -> asyncio.subprocess.Process:
+    """bench.overhead's closed-loop generator against `port` for `seconds` (unpaced 64-chunk
+    streams with `stream`), in a child process (bench.cprofile_gateway's `--load-port` side);
+    its last stdout line is a JSON summary."""
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.cprofile_gateway", "--load-port", str(port),
-        "--seconds", str(seconds), cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        "--seconds", str(seconds), *(["--load-stream"] if stream else []), cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
 
 

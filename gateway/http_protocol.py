@@ -44,17 +44,36 @@ class BodyWriter:
         """Write `body` (non-empty) as one chunk of the started chunked response, if it can go
         now; False when it cannot (the client applies backpressure or left, the response is not
         a started chunked one, or it is complete): then nothing was written, `send` it."""
+        if not self._chunk_now():
+            return False
+        self.cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    def end(self, last: bytes) -> bool:
+        """End the started chunked response, `last` (none when empty) as its last chunk, in one
+        write, and complete it as `send` would; False when it cannot go now (as for `write`):
+        then nothing was written, `send` the end."""
+        if not self._chunk_now():
+            return False
         c = self.cycle
-        if (
+        c.transport.write((b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last)) if last else b"0\r\n\r\n")
+        c.response_complete = True
+        c.message_event.set()
+        if not c.keep_alive:
+            c.transport.close()
+        c.on_response()
+        return True
+
+    def _chunk_now(self) -> bool:
+        """A chunk of the started chunked response can go to the client at once."""
+        c = self.cycle
+        return not (
             c.flow.write_paused
             or c.disconnected
             or c.chunked_encoding is not True
             or c.response_complete
             or not c.response_started
-        ):
-            return False
-        c.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
-        return True
+        )
 
     @property
     def started(self) -> bool:

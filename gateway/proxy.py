@@ -300,7 +300,8 @@ async def _relay(
     else:
         resp.abort()
     tail = sse_error_event(broke) if broke is not None else b""
-    await send({"type": "http.response.body", "body": tail, "more_body": False})
+    if writer is None or not writer.end(tail):
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
     return broke
 
 

@@ -234,19 +234,25 @@ async def test_a_whole_answer_goes_out_in_one_write_and_keeps_the_connection(
 
 
 @pytest.mark.parametrize("mode", ["ok", "split", "die_midstream"])
-async def test_a_streams_head_and_first_event_go_in_one_write(
+async def test_a_streams_head_and_end_go_out_without_asgi_messages(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`BodyWriter.begin` writes a stream's head with its first event; the client gets the
-    headers and bytes the ASGI path gives, and the kept-alive connection serves the next."""
-    began: list[bool] = []
-    begin = BodyWriter.begin
+    """`BodyWriter.begin` writes a stream's head with its first event, `BodyWriter.end` its last
+    chunk (the error event of a broken stream) with the terminator; the client gets the headers
+    and bytes the ASGI path gives, and the kept-alive connection serves the next request."""
+    calls: dict[str, list[bool]] = {"begin": [], "end": []}
 
-    def counted(self: BodyWriter, *args: Any) -> bool:
-        began.append(begin(self, *args))
-        return began[-1]
+    def counting(name: str) -> Any:
+        real = getattr(BodyWriter, name)
 
-    monkeypatch.setattr(BodyWriter, "begin", counted)
+        def counted(self: BodyWriter, *args: Any) -> bool:
+            calls[name].append(real(self, *args))
+            return calls[name][-1]
+
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(BodyWriter, name, counting(name))
     body = {"model": "test-model", "messages": CHAT, "stream": True}
     async with two_gateways(Upstream("a", mode=mode, chunks=6)) as (plain, fast):
         async with httpx.AsyncClient(timeout=10) as h:
@@ -256,4 +262,5 @@ async def test_a_streams_head_and_first_event_go_in_one_write(
                 b = await h.post(fast + "/v1/chat/completions", json=body, headers=rid)
                 assert _comparable(b) == _comparable(a)
                 assert b.headers["transfer-encoding"] == "chunked"
-    assert began == [True, True]  # only the guarded protocol has a writer
+    # only the guarded protocol has a writer
+    assert calls == {"begin": [True, True], "end": [True, True]}

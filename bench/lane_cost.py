@@ -1,0 +1,101 @@
+"""What one of the server protocol's fast lanes saves, in one gateway process: lane on vs off, alternated.
+
+The gateway answers through `gateway.http_protocol.BodyWriter` where it can: `whole` (a
+non-streamed answer in one write), `begin` (a stream's head with its first event), `write` (a
+chunk straight to the socket) and `end` (the last chunk and the terminator). Each falls back to
+uvicorn's ASGI `send` when it returns False. Here one gateway (its app in this process, as
+bench.trace_cost runs it: the protocol, loop and settings `gateway serve` uses, bench.overhead's
+config, round robin) is loaded without pause by bench.overhead's closed-loop generator (a child
+process, 32 connections; 64-chunk unpaced streams, or non-streamed bodies for `whole`), while
+the lane is switched between itself and "always False", window after window. The ratio of CPU
+per request, on over off, is taken between neighbouring windows and the median printed. `--lane
+none` switches nothing: its ratio is the harness's own noise.
+
+    .venv/bin/python -m bench.lane_cost --lane end          # 16 windows of 2 s, about 40 s
+    .venv/bin/python -m bench.lane_cost --lane none         # the noise floor
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+LANES = ("begin", "end", "write", "whole", "none")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.lane_cost", description=__doc__.splitlines()[0])
+    p.add_argument("--lane", choices=LANES, required=True)
+    p.add_argument("--windows", type=int, default=16, help="windows, half of them with the lane")
+    p.add_argument("--window-s", type=float, default=2.0)
+    args = p.parse_args(argv)
+
+    import uvloop
+
+    from bench import in_process
+    from bench.overhead import gateway_config, policy_variant
+    from gateway import create_app, parse_config
+    from gateway.http_protocol import BodyWriter
+    from simulator.harness import free_port
+
+    def refuse(self: BodyWriter, *a: Any) -> bool:
+        return False
+
+    name = args.lane if args.lane != "none" else "whole"
+    lane = getattr(BodyWriter, name)
+    stream = args.lane not in ("whole", "none")
+    gw_cpu, load_cpu = sorted(os.sched_getaffinity(0))[:2]  # as bench.overhead pins them
+    os.sched_setaffinity(0, {gw_cpu})
+    with in_process.upstream(load_cpu) as started:
+        ports, port = started["ports"], free_port()
+        cfg = gateway_config(port, ports, started["paced_ports"], policy_variant("round_robin"))
+        app = create_app(parse_config(cfg), own_process=True)
+        answered = 0
+
+        async def counted(scope: Any, receive: Any, send: Any) -> None:
+            nonlocal answered
+            await app(scope, receive, send)
+            answered += 1
+
+        windows: list[tuple[bool, float, int]] = []  # lane on, CPU seconds, requests
+
+        async def serve() -> None:
+            server, task = await in_process.start(counted, port)
+            gen = await in_process.load(port, args.windows * args.window_s + 1.5, stream)
+            os.sched_setaffinity(gen.pid, {load_cpu})
+            await asyncio.sleep(1.0)  # the generator's warm-up, and the first probes
+            for i in range(args.windows):
+                on = i % 4 in (1, 2)  # o n n o o n n o ...: each kind before and after the other
+                if args.lane != "none":
+                    setattr(BodyWriter, name, lane if on else refuse)
+                await asyncio.sleep(0.05)  # the requests of the previous kind end
+                c0, n0 = time.process_time(), answered
+                await asyncio.sleep(args.window_s)
+                windows.append((on, time.process_time() - c0, answered - n0))
+            setattr(BodyWriter, name, lane)
+            await gen.wait()
+            server.should_exit = True
+            await task
+
+        uvloop.run(serve())
+    per = [(on, 1e6 * cpu / max(1, n)) for on, cpu, n in windows]
+    ratios = [b[1] / a[1] if b[0] else a[1] / b[1] for a, b in zip(per, per[1:], strict=False)
+              if a[0] != b[0]]  # fmt: skip
+    on_us = statistics.median(us for on, us in per if on)
+    off_us = statistics.median(us for on, us in per if not on)
+    kind = "64-chunk streams" if stream else "non-streamed requests"
+    print(f"bench.lane_cost: lane {args.lane}, {len(per)} windows of {args.window_s:g} s, "
+          f"{sum(n for _, _, n in windows)} {kind}; gateway CPU per request: lane on "
+          f"{on_us:.0f} us, off (ASGI send) {off_us:.0f} us")  # fmt: skip
+    print(f"  on / off (neighbouring windows, median of {len(ratios)})  "
+          f"{statistics.median(ratios):.3f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
