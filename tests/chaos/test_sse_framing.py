@@ -103,6 +103,7 @@ async def test_cr_framed_stream_is_relayed_promptly_and_whole(mode: str) -> None
         # the usage chunk the gateway asked for is not shown to a client that did not ask
         assert all(ch.choices and ch.usage is None for ch in chunks)
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == WORDS
+        up.chunk_delay_s = 0.0  # promptness is shown: the framing checks need no pacing
         raw = await stream_raw(r.url)
         events = sse_events(raw)
         assert events[-1] == b"[DONE]" and not any(b'"error"' in e for e in events)
