@@ -8,6 +8,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import islice, takewhile
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -113,9 +114,8 @@ class PrefixCache:
             return 0
         table = self.table
         n = len(hashes) if limit is None else min(limit, len(hashes))
-        i = 0
-        while i < n and hashes[i] in table:
-            i += 1
+        # the leading run of cached blocks, counted by loops in C (the DES asks on every step)
+        i = len(list(takewhile(table.__contains__, islice(hashes, n))))
         if self.tiers is not None:  # the run goes on through blocks a lower tier can load
             where = self.tiers.where
             while i < n and (hashes[i] in table or where(hashes[i]) is not None):
@@ -147,8 +147,7 @@ class PrefixCache:
         return out
 
     def count_free_among(self, blocks: Iterable[int]) -> int:
-        ref = self.ref
-        return sum(1 for b in blocks if ref[b] == 0)
+        return list(map(self.ref.__getitem__, blocks)).count(0)
 
     def acquire(self, blocks: Iterable[int]) -> None:
         """Take a reference on cached blocks (a prefix hit); they leave the free queue."""
