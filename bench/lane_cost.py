@@ -1,4 +1,4 @@
-"""What one of the server protocol's fast lanes saves, in one gateway process: lane on vs off, alternated.
+"""What a fast lane of the server protocol saves, in one gateway process: on vs off, alternated.
 
 The gateway answers through `gateway.http_protocol.BodyWriter` where it can: `whole` (a
 non-streamed answer in one write), `begin` (a stream's head with its first event), `write` (a
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     kind = "64-chunk streams" if stream else "non-streamed requests"
     print(f"bench.lane_cost: lane {args.lane}, {len(per)} windows of {args.window_s:g} s, "
           f"{sum(n for _, _, n in windows)} {kind}; gateway CPU per request: lane on "
-          f"{on_us:.0f} us, off (ASGI send) {off_us:.0f} us; the lane wrote {taken} times")  # fmt: skip
+          f"{on_us:.0f} us, off (ASGI send) {off_us:.0f} us; "
+          f"the lane wrote {taken} times")  # fmt: skip
     print(f"  on / off (neighbouring windows, median of {len(ratios)})  "
           f"{statistics.median(ratios):.3f}")  # fmt: skip
     return 0

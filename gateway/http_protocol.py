@@ -77,7 +77,8 @@ class BodyWriter:
 
     @property
     def started(self) -> bool:
-        """Whether the response began (through `send` or `whole`): no error answer can follow."""
+        """Whether the response began (through `send`, `whole` or `begin`): no error answer can
+        follow."""
         return bool(self.cycle.response_started)
 
     def whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
@@ -115,7 +116,9 @@ class BodyWriter:
         c.transport.write((head + b"%x\r\n%b\r\n" % (len(first), first)) if first else head)
         return True
 
-    def _head(self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes | None:
+    def _head(
+        self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes
+    ) -> bytes | None:
         """The response's status line and headers ending with `framing`, the response marked
         started; None (nothing changed) when the response began already, the client is gone or
         not taking bytes, the request is a HEAD, the status is unknown, or a header holds a CR
