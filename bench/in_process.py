@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +62,34 @@ def upstream(cpu: int | None = None) -> Iterator[dict[str, Any]]:
     finally:
         up.terminate()
         up.wait(10)
+
+
+Window = tuple[bool, float, int]  # the variant was on, CPU seconds, requests answered
+
+
+async def alternate(
+    windows: int, window_s: float, switch: Callable[[bool], None], answered: Callable[[], int]
+) -> list[Window]:
+    """`windows` windows of `window_s`, the variant switched on and off (`switch`) in the order
+    o n n o o n n o ...: each kind before and after the other; this process's CPU and the
+    requests `answered` in each (after a short pause for the previous kind's requests to end)."""
+    out: list[Window] = []
+    for i in range(windows):
+        on = i % 4 in (1, 2)
+        switch(on)
+        await asyncio.sleep(0.05)
+        c0, n0 = time.process_time(), answered()
+        await asyncio.sleep(window_s)
+        out.append((on, time.process_time() - c0, answered() - n0))
+    return out
+
+
+def compare(windows: list[Window]) -> tuple[float, float, list[float]]:
+    """Median CPU µs per request with the variant on and off, and the on/off ratio of each pair
+    of neighbouring windows of different kinds."""
+    per = [(on, 1e6 * cpu / max(1, n)) for on, cpu, n in windows]
+    ratios = [b[1] / a[1] if b[0] else a[1] / b[1] for a, b in zip(per, per[1:], strict=False)
+              if a[0] != b[0]]  # fmt: skip
+    on_us = statistics.median(us for on, us in per if on)
+    off_us = statistics.median(us for on, us in per if not on)
+    return on_us, off_us, ratios

@@ -22,7 +22,6 @@ import asyncio
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 LANES = ("begin", "end", "write", "whole", "none")
@@ -76,27 +75,21 @@ def main(argv: list[str] | None = None) -> int:
             gen = await in_process.load(port, args.windows * args.window_s + 1.5, stream)
             os.sched_setaffinity(gen.pid, {load_cpu})
             await asyncio.sleep(1.0)  # the generator's warm-up, and the first probes
-            for i in range(args.windows):
-                on = i % 4 in (1, 2)  # o n n o o n n o ...: each kind before and after the other
+            def switch(on: bool) -> None:
                 if args.lane != "none":
                     setattr(BodyWriter, name, lane if on else refuse)
-                await asyncio.sleep(0.05)  # the requests of the previous kind end
-                c0, n0 = time.process_time(), answered
-                await asyncio.sleep(args.window_s)
-                windows.append((on, time.process_time() - c0, answered - n0))
+
+            windows.extend(await in_process.alternate(args.windows, args.window_s, switch,
+                                                      lambda: answered))  # fmt: skip
             setattr(BodyWriter, name, real)
             await gen.wait()
             server.should_exit = True
             await task
 
         uvloop.run(serve())
-    per = [(on, 1e6 * cpu / max(1, n)) for on, cpu, n in windows]
-    ratios = [b[1] / a[1] if b[0] else a[1] / b[1] for a, b in zip(per, per[1:], strict=False)
-              if a[0] != b[0]]  # fmt: skip
-    on_us = statistics.median(us for on, us in per if on)
-    off_us = statistics.median(us for on, us in per if not on)
+    on_us, off_us, ratios = in_process.compare(windows)
     kind = "64-chunk streams" if stream else "non-streamed requests"
-    print(f"bench.lane_cost: lane {args.lane}, {len(per)} windows of {args.window_s:g} s, "
+    print(f"bench.lane_cost: lane {args.lane}, {len(windows)} windows of {args.window_s:g} s, "
           f"{sum(n for _, _, n in windows)} {kind}; gateway CPU per request: lane on "
           f"{on_us:.0f} us, off (ASGI send) {off_us:.0f} us; "
           f"the lane wrote {taken} times")  # fmt: skip

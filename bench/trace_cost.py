@@ -26,7 +26,6 @@ import asyncio
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 GOAL_TRACED_X = 1.15
@@ -73,26 +72,20 @@ def main(argv: list[str] | None = None) -> int:
             gen = await in_process.load(port, seconds)
             os.sched_setaffinity(gen.pid, {load_cpu})
             await asyncio.sleep(1.0)  # the generator's warm-up, and the first probes
-            for i in range(args.windows):
-                sampled = i % 4 in (1, 2)  # u s s u u s s u ...: each kind before and after the other
-                tracing._root_bound = every if sampled else 0
-                await asyncio.sleep(0.05)  # the requests of the previous kind end
-                c0, n0 = time.process_time(), answered
-                await asyncio.sleep(args.window_s)
-                windows.append((sampled, time.process_time() - c0, answered - n0))
+            def sample(on: bool) -> None:
+                tracing._root_bound = every if on else 0
+
+            windows.extend(await in_process.alternate(args.windows, args.window_s, sample,
+                                                      lambda: answered))  # fmt: skip
             tracing._root_bound = every
             await gen.wait()
             server.should_exit = True
             await task
 
         uvloop.run(serve())
-    per = [(s, 1e6 * cpu / max(1, n)) for s, cpu, n in windows]
-    ratios = [b[1] / a[1] if b[0] else a[1] / b[1] for a, b in zip(per, per[1:], strict=False)
-              if a[0] != b[0]]  # fmt: skip
-    on = statistics.median(us for s, us in per if s)
-    off = statistics.median(us for s, us in per if not s)
+    on, off, ratios = in_process.compare(windows)
     x = statistics.median(ratios)
-    print(f"bench.trace_cost: policy {args.policy}, {len(per)} windows of {args.window_s:g} s, "
+    print(f"bench.trace_cost: policy {args.policy}, {len(windows)} windows of {args.window_s:g} s, "
           f"{sum(n for _, _, n in windows)} requests; gateway CPU per request (all threads): "
           f"sampled {on:.0f} us, unsampled {off:.0f} us, +{on - off:.0f} us; "
           f"{sink.exported_spans} spans exported, {sink.dropped_spans} dropped")  # fmt: skip

@@ -57,12 +57,17 @@ class BodyWriter:
             return False
         c = self.cycle
         c.transport.write((b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last)) if last else b"0\r\n\r\n")
+        self._complete()
+        return True
+
+    def _complete(self) -> None:
+        """The response is all written: what `send` does after its last body message."""
+        c = self.cycle
         c.response_complete = True
         c.message_event.set()
         if not c.keep_alive:
             c.transport.close()
         c.on_response()
-        return True
 
     def _chunk_now(self) -> bool:
         """A chunk of the started chunked response can go to the client at once."""
@@ -95,11 +100,7 @@ class BodyWriter:
         c.chunked_encoding = False
         c.expected_content_length = 0
         c.transport.write(head + body)
-        c.response_complete = True
-        c.message_event.set()
-        if not c.keep_alive:
-            c.transport.close()
-        c.on_response()
+        self._complete()
         return True
 
     def begin(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes) -> bool:
