@@ -27,6 +27,13 @@ def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
+async def _bounded(load_scripts: Callable[[], Awaitable[None]], timeout_s: float) -> None:
+    """Load the scripts within the match's budget: a master found without them (promoted after
+    a failover) must not hold a request for redis-py's retries and backoff."""
+    async with asyncio.timeout(timeout_s):
+        await load_scripts()
+
+
 class Lane(Protocol):
     """How a match reaches Redis: `command` packs it once, `call` makes the round trip."""
 
@@ -78,7 +85,7 @@ class FastLane:
                 self._idle.append(conn)
                 if attempt:
                     raise
-                await load_scripts()
+                await _bounded(load_scripts, self._timeout_s * 4)
                 continue
             except RedisConnectionError:
                 await conn.disconnect()
@@ -137,7 +144,7 @@ class ClusterLane:
             except NoScriptError:  # a replica promoted since the scripts were loaded
                 if attempt:
                     raise
-                await load_scripts()
+                await _bounded(load_scripts, self._timeout_s * 4)
         raise AssertionError("unreachable")
 
     async def reset(self) -> None:

@@ -243,7 +243,7 @@ def open_redis(
                 {k: v for k, v in target.options.items() if k.startswith("ssl_")}, ssl=True
             )
             kwargs["ssl"] = True
-        sentinel = Sentinel(target.hosts, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(target.hosts, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call, unused-ignore]
         client: Redis = sentinel.master_for(target.master, redis_class=_SentinelMaster, **kwargs)
         return client
     if "path" in kwargs:

@@ -99,6 +99,11 @@ async def test_sentinel_failover_during_traffic(tmp_path: Path, how: str) -> Non
         found.stop()
 
 
+# redis-py's asyncio cluster client drops a node that left the topology with a command still
+# on one of its connections, and that socket is closed only by the garbage collector (seen once
+# in CI: "unclosed <socket ...>" from its hiredis parser; redis/redis-py#4053). The gateway's
+# own sockets are held to account by tests/chaos/test_leaks_*.py.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_cluster_failover_during_traffic(tmp_path: Path) -> None:
     found: Cluster = cluster(tmp_path, masters=3, replicas=1, node_timeout_ms=1000)
 

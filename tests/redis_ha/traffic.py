@@ -21,6 +21,11 @@ TENANTS = [
 ]
 
 
+# Every request must be answered well within this (the rig's upstream total_s is 30 s): a
+# request that hangs shows as an error naming it, not as the test's own timeout.
+_ANSWER_WITHIN = aiohttp.ClientTimeout(total=20)
+
+
 def system_prompt(group: int) -> str:
     """About 2 KB (32 blocks of 64 bytes), different from the first block on."""
     return f"[group {group:03d}] You answer questions about topic {group}. " + (
@@ -56,7 +61,9 @@ async def limited(h: aiohttp.ClientSession, url: str, key: str, n: int) -> list[
     out = []
     for i in range(n):
         headers = {"authorization": f"Bearer {key}"}
-        async with h.post(url + "/v1/chat/completions", json=body(999, i), headers=headers) as r:
+        async with h.post(
+            url + "/v1/chat/completions", json=body(999, i), headers=headers, timeout=_ANSWER_WITHIN
+        ) as r:
             await r.read()
             out.append(r.status)
     return out
@@ -89,16 +96,16 @@ class Traffic:
             try:
                 async with self.h.post(
                     self.url + "/v1/chat/completions", json=body(n % self.groups, n),
-                    headers=headers,
+                    headers={**headers, "x-request-id": f"ha-{n}"}, timeout=_ANSWER_WITHIN,
                 ) as res:  # fmt: skip
                     text = await res.text()
                     self.statuses.append(res.status)
                     self.times.append(time.monotonic())
                     if res.status != 200:
                         self.errors.append(f"{res.status}: {text[:200]}")
-            except aiohttp.ClientError as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:  # a hang fails here, named
                 self.statuses.append(-1)
-                self.errors.append(repr(exc))
+                self.errors.append(f"request ha-{n}: {exc!r}")
             if self.pace_s:
                 await asyncio.sleep(self.pace_s)
 
