@@ -226,10 +226,16 @@ def _chat(**extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
 
 
-def _nested(depth: int) -> bytes:
-    return b'{"model":"%s","messages":[{"role":"user","content":"x","x":%s%s}]}' % (
-        MODEL.encode(), b"[" * depth, b"]" * depth
+def _nested(depth: int, content: bytes = b"x", leaf: bytes = b"") -> bytes:
+    """A chat body with `depth` arrays nested in a message (`leaf` at the bottom); a long
+    `content` takes the walk that large bodies take (gateway/openai.py `_too_deep`)."""
+    return b'{"model":"%s","messages":[{"role":"user","content":"%s","x":%s%s%s}]}' % (
+        MODEL.encode(), content, b"[" * depth, leaf, b"]" * depth
     )  # fmt: skip
+
+
+_LONG = b"y" * 8000  # a large body: its nesting is walked, not counted
+_MANY = b",".join(b"%d" % i for i in range(400))  # more values than the walk takes
 
 
 EXTREMES: list[tuple[str, bytes, int]] = [
@@ -241,6 +247,10 @@ EXTREMES: list[tuple[str, bytes, int]] = [
     ("deep nesting past orjson", b"[" * 5000 + b"]" * 5000, 400),
     ("nesting just within the limit", _nested(MAX_DEPTH - 4), 200),
     ("nesting past the limit", _nested(300), 400),
+    ("a large body nesting just within the limit", _nested(MAX_DEPTH - 4, _LONG), 200),
+    ("a large body nesting past the limit", _nested(MAX_DEPTH, _LONG), 400),
+    ("a large body of many values within the limit", _nested(MAX_DEPTH - 4, _LONG, _MANY), 200),
+    ("a large body of many values past the limit", _nested(MAX_DEPTH, _LONG, _MANY), 400),
     ("huge max_tokens", orjson.dumps(_chat(max_tokens=10_000_001)), 400),
     ("max_tokens at the cap", orjson.dumps(_chat(max_tokens=10_000_000)), 200),
     ("u64 max_tokens", orjson.dumps(_chat(max_tokens=2**64 - 1)), 400),
