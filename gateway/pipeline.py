@@ -7,6 +7,7 @@ Everything a request reads comes from the one `Snapshot` it took when it arrived
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import TYPE_CHECKING
@@ -201,10 +202,32 @@ def default_pool(snap: Snapshot, prompt_tokens: int) -> str:
     return next(iter(config.pools))
 
 
+class _Ids:
+    """New request ids: 16 random hex digits drawn once per process (again in a forked child),
+    then a counter: unique across processes and gateways without a getrandom call per request."""
+
+    __slots__ = ("prefix", "count")
+
+    def __init__(self) -> None:
+        self.reseed()
+
+    def reseed(self) -> None:
+        self.prefix = os.urandom(8).hex()
+        self.count = itertools.count()
+
+    def new(self) -> str:
+        return f"{self.prefix}{next(self.count):016x}"
+
+
+_IDS = _Ids()
+os.register_at_fork(after_in_child=_IDS.reseed)
+
+
 def request_id(headers: RawHeaders) -> str:
-    """The client's X-Request-Id (bounded), else a new one; sent to the replica and back."""
+    """The client's X-Request-Id (bounded), else a new one (32 hex digits, unique, not secret);
+    sent to the replica and back."""
     rid = headers.get(b"x-request-id")
-    return rid.decode("latin-1")[:128] if rid else os.urandom(16).hex()
+    return rid.decode("latin-1")[:128] if rid else _IDS.new()
 
 
 def route_input(rec: Record, headers: RawHeaders, tenant: Tenant) -> RouteInput:
