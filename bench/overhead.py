@@ -34,6 +34,7 @@ import httptools
 import orjson
 import yaml
 
+from policies.registry import DEFAULT_POLICY
 from simulator.harness import free_port, stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +54,9 @@ GOAL_TTFT_MS = 0.5  # added at c=1
 GOAL_TRACED_X = 1.15  # --tracing otlp: CPU per request traced (sampling 1.0) / untraced
 RUST_REFERENCE = "sgl-cache_aware"  # the public Rust cache-aware router the gateway is held to
 RUST_POLICIES = ("cache_aware", "round_robin")  # sglang-router's, one row each when installed
-FLOOR_LAYERS = ("uvicorn", "raw")  # bench/floor_proxy.py's server layers, one row each
+# bench/floor_proxy.py's rows: its two server layers, and the uvicorn one with the gateway's
+# routing unit (the default policy) in front of its forward
+FLOOR_LAYERS = ("uvicorn", "raw", "routed")
 
 
 # --- gateway variants: one row each under every load ---------------------------------------------
@@ -140,7 +143,9 @@ def start_floor_proxy(
     """bench/floor_proxy.py over `ports`, on the gateway's CPU; like a Rust row, one process
     per pool (it reads no model name to choose one)."""
     assert v.floor is not None
-    cmd = [sys.executable, "-m", "bench.floor_proxy", "--server", v.floor, "--port", str(port),
+    route = ["--server", "uvicorn", "--route", args.policies[-1]]  # the last policy's unit
+    layer = route if v.floor == "routed" else ["--server", v.floor]
+    cmd = [sys.executable, "-m", "bench.floor_proxy", *layer, "--port", str(port),
            "--upstream", *(f"http://127.0.0.1:{p}" for p in ports)]  # fmt: skip
     log = open(workdir / f"gateway-{v.name}-{port}.log", "wb")  # noqa: SIM115 - lives with it
     p = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT)
@@ -934,7 +939,13 @@ def _parser() -> argparse.ArgumentParser:
         default=BODY_BYTES,
         help="chat body size (the goals are set at 2 KB; production prompts run 10-50 KB)",
     )
-    p.add_argument("--policies", nargs="+", default=["round_robin", "prefix_aware"])
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=["round_robin", DEFAULT_POLICY],
+        help=f"gateway rows, one per policy (the pools' default is {DEFAULT_POLICY}); the last "
+        "is floor@routed's",
+    )
     p.add_argument(
         "--tracing",
         choices=["off", "otlp"],

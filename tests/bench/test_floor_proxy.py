@@ -1,7 +1,8 @@
 """bench/floor_proxy.py, the floor bench.overhead holds the gateway against, really proxies: under
-both server layers it returns the upstream's exact bytes, non-streamed and streamed, over one
-keep-alive connection, round robin over the upstream ports (a floor that answered by itself
-would be a fake measurement)."""
+both server layers, and with the gateway's routing unit in front (floor@routed), it returns the
+upstream's exact bytes, non-streamed and streamed, over one keep-alive connection, over the
+upstream ports (a floor that answered by itself would be a fake measurement); the routed one
+parses what it routes, so a body that is no JSON gets no answer from an upstream."""
 
 from __future__ import annotations
 
@@ -37,11 +38,18 @@ def upstream() -> Iterator[list[int]]:
             up.stdout.close()
 
 
-@pytest.mark.parametrize("layer", ["raw", "uvicorn"])
+LAYERS = {
+    "raw": ["--server", "raw"],
+    "uvicorn": ["--server", "uvicorn"],
+    "routed": ["--server", "uvicorn", "--route", "ttft"],
+}
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
 def test_the_floor_proxy_relays_the_upstream_bytes(layer: str, upstream: list[int]) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.floor_proxy", "--server", layer, "--port", str(port),
+        [sys.executable, "-m", "bench.floor_proxy", *LAYERS[layer], "--port", str(port),
          "--upstream", *(f"http://127.0.0.1:{p}" for p in upstream)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
@@ -67,6 +75,9 @@ def test_the_floor_proxy_relays_the_upstream_bytes(layer: str, upstream: list[in
                 if stream:
                     assert res.content.count(b"data: ") == 5 + 1  # 5 chunks, then [DONE]
                     assert res.content.endswith(b"data: [DONE]\n\n")
+            if layer == "routed":
+                res = h.post(f"http://127.0.0.1:{port}/v1/chat/completions", content=b"{nope")
+                assert res.status_code == 500
     finally:
         proc.terminate()
         proc.wait(10)
