@@ -41,6 +41,7 @@ from typing import Any
 
 import httptools
 
+from bench.overhead import gateway_config, policy_variant
 from gateway.app import settle_garbage_collector
 from gateway.config import parse_config
 from gateway.http_client import HttpClient
@@ -85,8 +86,6 @@ class RoutedUpstreams(Upstreams):
 
     def __init__(self, origins: list[str], policy: str) -> None:
         super().__init__(origins)
-        from bench.overhead import gateway_config, policy_variant  # the gateway rows' config
-
         ports = [int(o.rsplit(":", 1)[1]) for o in origins]
         cfg = gateway_config(0, ports, [], policy_variant(policy))
         del cfg["pools"]["paced"]  # one floor process per pool: its upstreams are the only pool
