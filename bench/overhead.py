@@ -55,7 +55,7 @@ GOAL_TRACED_X = 1.15  # --tracing otlp: CPU per request traced (sampling 1.0) / 
 RUST_REFERENCE = "sgl-cache_aware"  # the public Rust cache-aware router the gateway is held to
 RUST_POLICIES = ("cache_aware", "round_robin")  # sglang-router's, one row each when installed
 # bench/floor_proxy.py's rows: its two server layers, and the uvicorn one with the gateway's
-# routing unit (the default policy) in front of its forward
+# routing unit (the last of --policies) in front of its forward
 FLOOR_LAYERS = ("uvicorn", "raw", "routed")
 
 

@@ -125,11 +125,11 @@ def _deeper(body: Any, budget: int | None) -> bool | None:
     """Whether `body` nests deeper than MAX_DEPTH; None once more than `budget` values were
     seen (None: no budget)."""
     stack: list[tuple[Any, int]] = [(body, 1)]
-    left = budget if budget is not None else -1
+    left = budget
     while stack:
         node, depth = stack.pop()
         children = node.values() if isinstance(node, dict) else node
-        if budget is not None:
+        if left is not None:
             left -= len(children)
             if left < 0:
                 return None
