@@ -1,9 +1,13 @@
-# Two entry points for a fresh machine: `make demo` and `make test` (both install first).
+# Two entry points for a fresh machine: `make demo` and `make test` (both install first; the
+# tests also install the real engine, vLLM's CPU build, into .venv-engine: scripts/ensure-engine).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: demo test install lint bench
+.PHONY: demo test install lint bench engine
+
+engine:
+	scripts/ensure-engine
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +22,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	scripts/ensure-deps
+	scripts/ensure-engine
 	$(PY) -m pytest
 
 lint: $(VENV)/.installed

@@ -23,12 +23,13 @@ import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
 import orjson
 
+from bench.access_log import access_lines
 from bench.routing_workloads import ENGINE, TRACE_ENGINE, profile
 from bench.shapes import SHAPES, ShapedRequest, to_sim_requests
 from gateway import Config, create_app, parse_config
@@ -89,7 +90,10 @@ class Record:
     tpot_s: float | None
     prompt_tokens: int
     cached_tokens: int  # the replica's hit (usage.prompt_tokens_details.cached_tokens)
-    predicted_tokens: float  # predicted_hit_blocks x tokens per block
+    # the gateway's route receipt (its request log, when it runs in this process), else
+    # predicted_hit_blocks x tokens per block (the decision header)
+    predicted_tokens: float
+    request_id: str = ""
 
 
 def _content(chunk: dict[str, Any], kind: str) -> bool:
@@ -102,11 +106,15 @@ def _content(chunk: dict[str, Any], kind: str) -> bool:
 
 
 async def send(
-    session: aiohttp.ClientSession, gw: str, req: ShapedRequest, speedup: float, tpb: float
+    session: aiohttp.ClientSession, gw: str, req: ShapedRequest, speedup: float, tpb: float,
+    rid: str = "",
 ) -> Record | str:
-    """Stream one request through the gateway; a Record, or why it failed."""
+    """Stream one request through the gateway (`rid`: its x-request-id); a Record, or why it
+    failed."""
     path = "/v1/chat/completions" if req.kind == "chat" else "/v1/completions"
     headers = {"content-type": "application/json", "x-gateway-explain": "1"}
+    if rid:
+        headers["x-request-id"] = rid
     t0 = time.perf_counter()
     first = last = None
     usage: dict[str, Any] | None = None
@@ -141,6 +149,7 @@ async def send(
         int(usage["prompt_tokens"]),
         int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
         int(decision.get("predicted_hit_blocks", 0)) * tpb,
+        rid,
     )
 
 
@@ -189,14 +198,38 @@ async def drive(
     speedup: float,
     kv_tokens: int,
     chained: bool = False,
+    config: Config | None = None,
+    stats_path: str | None = "/sim/stats",
 ) -> Run:
     """A fresh gateway in front of the replicas at `urls` (any simulated fleet, `speedup` its
     clock), and `shaped` replayed through it at the arrival times; `chained`: a request also
-    waits for the answer to the previous one of its group (a client's next turn)."""
-    config = gateway_config(urls, policy, speedup, kv_tokens)
-    tpb = config.index.chunking.block_bytes / 4  # bytes mode: ~4 bytes a token
+    waits for the answer to the previous one of its group (a client's next turn). `config`:
+    the gateway's (default: `gateway_config`'s); `stats_path`: what each replica is asked for
+    its own figures after the run (None: nothing)."""
+    config = config or gateway_config(urls, policy, speedup, kv_tokens)
+    chunking = config.index.chunking
+    # the decision header's blocks in tokens: bytes mode estimates ~4 bytes a token
+    tpb = chunking.block_size if chunking.mode == "tokens" else chunking.block_bytes / 4
     records: list[Record] = []
     errors: list[str] = []
+    with access_lines() as lines:
+        wall, stats = await _replay(config, urls, shaped, speedup, chained, stats_path, tpb,
+                                    records, errors)  # fmt: skip
+    # each answered request's route receipt from the gateway's own request log (the server
+    # stopped after its last request: every line is in)
+    receipts = {line["request_id"]: line.get("predicted_cached_tokens") for line in lines}
+    records = [
+        r if receipts.get(r.request_id) is None
+        else replace(r, predicted_tokens=float(receipts[r.request_id]))
+        for r in records
+    ]  # fmt: skip
+    return Run(records, errors, stats, wall)
+
+
+async def _replay(
+    config: Config, urls: Sequence[str], shaped: Sequence[ShapedRequest], speedup: float,
+    chained: bool, stats_path: str | None, tpb: float, records: list[Record], errors: list[str],
+) -> tuple[float, list[dict[str, Any]]]:  # fmt: skip
     async with (
         serving(create_app(config), lifespan="on") as gw,
         aiohttp.ClientSession(
@@ -215,7 +248,7 @@ async def drive(
                     await asyncio.sleep(delay)
                 if after is not None:
                     await after.wait()
-                got = await send(session, gw.url, req, speedup, tpb)
+                got = await send(session, gw.url, req, speedup, tpb, f"q{ids[id(req)]}")
                 if isinstance(got, Record):
                     records.append(got)
                 else:
@@ -223,6 +256,7 @@ async def drive(
             finally:
                 mine.set()
 
+        ids = {id(req): i for i, req in enumerate(shaped)}
         tasks = []
         last: dict[str, asyncio.Event] = {}
         for req in shaped:
@@ -232,10 +266,10 @@ async def drive(
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
         stats = []
-        for u in urls:
-            async with session.get(u + "/sim/stats") as res:
+        for u in urls if stats_path else ():
+            async with session.get(u + stats_path) as res:
                 stats.append(await res.json())
-    return Run(records, errors, stats, wall)
+    return wall, stats
 
 
 def kv_tokens(engine: dict[str, Any]) -> int:

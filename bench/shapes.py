@@ -75,11 +75,11 @@ def _finish(items: list[tuple[float, str, dict[str, Any], str]], n: int) -> list
 
 
 @functools.lru_cache(maxsize=4096)
-def _ids(key: str, n: int) -> tuple[int, ...]:
-    """`n` deterministic token ids in [16, VOCAB); the same key always gives the same ids."""
+def _ids(key: str, n: int, vocab: int = VOCAB) -> tuple[int, ...]:
+    """`n` deterministic token ids in [16, vocab); the same key always gives the same ids."""
     raw = array("I")
     raw.frombytes(random.Random(key).randbytes(4 * n))
-    return tuple(16 + x % (VOCAB - 16) for x in raw)
+    return tuple(16 + x % (vocab - 16) for x in raw)
 
 
 # --- the shapes: (n, rate, seed, model, **params) -> requests in arrival order -------------------
@@ -270,9 +270,11 @@ def completion_text(
     suffix_tokens: tuple[int, int] = (20, 120),
     max_tokens: int = 64,
     ids: bool = False,
+    vocab: int = VOCAB,
 ) -> list[ShapedRequest]:
     """/v1/completions with a string prompt: one of K shared prefixes, a newline, a unique
-    suffix; with `ids`, a token-id prompt: one of K shared runs of ids, then unique ids."""
+    suffix; with `ids`, a token-id prompt: one of K shared runs of ids in [16, `vocab`), then
+    unique ids."""
     rng = random.Random(seed)
     lengths = [rng.randint(*prefix_tokens) for _ in range(k)]
     items = []
@@ -281,7 +283,8 @@ def completion_text(
         tail = rng.randint(*suffix_tokens)
         prompt: str | list[int]
         if ids:
-            prompt = [*_ids(f"pid-{seed}-{g}", lengths[g]), *_ids(f"sid-{seed}-{i}", tail)]
+            prompt = [*_ids(f"pid-{seed}-{g}", lengths[g], vocab),
+                      *_ids(f"sid-{seed}-{i}", tail, vocab)]
         else:
             prompt = text(f"pre-{seed}-{g}", lengths[g]) + "\n" + text(f"suf-{seed}-{i}", tail)
         items.append((t, "completions", _completion(model, prompt, max_tokens),
@@ -357,7 +360,7 @@ def to_sim_requests(
     for i, r in enumerate(shaped):
         body = r.body
         if r.kind == "chat":
-            ids: Sequence[int] = tok.encode_chat(body["messages"])  # render, then encode
+            ids: Sequence[int] = tok.encode_chat(body["messages"], True, body.get("tools"))
         elif isinstance(body["prompt"], str):
             ids = tok.encode(body["prompt"])
         elif isinstance(body["prompt"], list) and all(isinstance(t, int) for t in body["prompt"]):

@@ -103,7 +103,8 @@ class Background:
                 if known:
                     continue
                 m = ReplicaMonitor(
-                    r, self.session, pool.config.health, pool.config.scrape, self._engine_kv
+                    r, self.session, pool.config.health, pool.config.scrape, self._engine_kv,
+                    self._lost,
                 )
                 m.models_refresh_s = pool.config.lora.refresh_s
                 m.start()
@@ -120,6 +121,12 @@ class Background:
             snap.index.set_capacity(r.name, r.capacity_blocks)
         elif r.engine_kv is not None:
             snap.index.set_capacity(r.name, max(1, int(r.engine_kv[1] / snap.chunker.tokens_per_block)))
+
+    def _lost(self, r: ReplicaState, why: str) -> None:
+        """The replica's prefix cache is gone: the index forgets it (in the background)."""
+        index = self._current().index
+        if index is not None:
+            self.spawn(index.forget(r.name), name=f"forget:{r.name}")
 
     def _engine_kv(self, r: ReplicaState) -> None:
         """The engine reported its KV cache geometry (first, or changed): size the replica in the

@@ -57,6 +57,11 @@ class Forwarded:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    # the route receipt's inputs (gateway/receipt.py): the index's hit on the replica that
+    # answered, in the gateway's tokens (None: the pool's policy does not hash), and the engine's
+    # KV block in tokens as it last reported it (None: not scraped)
+    predicted_tokens: int | None = None
+    engine_block: int | None = None
     answer_id: str | None = None  # a sticky kind's answer id (`/v1/responses`: the response's)
     error: GatewayError | None = None
     path: bytes = b""  # the upstream path and method (the client's, for every proxied kind)
@@ -124,6 +129,7 @@ class Failover:
                     continue
                 fwd.t_first = time.perf_counter_ns()
                 fwd.replica, fwd.status = name, opened.status
+                current.receipt_inputs(fwd)
                 fwd.attempts.append((name, current.replica.url, t_sent, 0, opened.status, None))
                 current.prefilled()
                 try:

@@ -69,13 +69,14 @@ def _text_prompt(p: Any, chunker: Chunker) -> tuple[HashSource, int]:
     return "", 0
 
 
-def _chat(messages: Any, chunker: Chunker) -> tuple[HashSource, int]:
-    text = chunker.chat_prompt(messages)
+def _chat(messages: Any, chunker: Chunker, tools: Any = None) -> tuple[HashSource, int]:
+    text = chunker.chat_prompt(messages, tools if isinstance(tools, list) else None)
     return text, chunker.estimate_tokens(text) if isinstance(text, str) else len(text)
 
 
 def chat_prompt(req: ParsedRequest, chunker: Chunker) -> tuple[HashSource, int]:
-    return _chat(req.messages, chunker)
+    """The chat as the engine renders it: its messages and the tool definitions it sent."""
+    return _chat(req.messages, chunker, req.body.get("tools"))
 
 
 def completion_prompt(req: ParsedRequest, chunker: Chunker) -> tuple[HashSource, int]:

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .admission import Admission
+from .receipt import ERROR_BUCKETS
 from .replicas import CLOSED, HALF_OPEN, OPEN, ReplicaState
 from .tallies import CounterTally, HistogramTally, LabelCap, Tallies
 from .tier_metrics import TierCollector
@@ -89,6 +90,21 @@ class Metrics:
             "gateway_observed_cached_tokens_total",
             "Prompt tokens the replica reported served from its prefix cache (usage.prompt_tokens_details.cached_tokens).",
             ["pool"],
+        )
+        self.receipts = CounterTally(
+            "gateway_route_receipts_total",
+            "Served requests whose replica reported its cached prompt tokens, by how the gateway's "
+            "prediction compared (exact, within_block: off by at most one engine block, over: "
+            "predicted more than the engine reused, under: less); docs/receipts.md.",
+            ["pool", "verdict"],
+        )
+        self.receipt_error = HistogramTally(
+            "gateway_route_receipt_error_tokens",
+            "Predicted minus engine-reported cached prompt tokens of a served request, in engine "
+            "tokens (0: the prediction was exact; > 0: the gateway expected a hit the engine did "
+            "not have).",
+            ["pool"],
+            ERROR_BUCKETS,
         )
         self.attempts = CounterTally(
             "gateway_upstream_attempts_total",

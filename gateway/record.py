@@ -22,7 +22,9 @@ from .failover import Forwarded
 from .logs import ACCESS, AccessLine, log_access
 from .pools import Pool
 from .ratelimit import Rule
+from .receipt import Receipt, receipt
 from .router import Routing
+from .trace_record import ROUTE_ATTRIBUTES, Named
 from .tracing import RequestTrace
 
 if TYPE_CHECKING:
@@ -59,6 +61,7 @@ class Record:
     status: int = 0  # of the answer the client got
     outcome: str = "ok"
     error_type: str | None = None
+    receipt: Receipt | None = None  # predicted vs engine-reported cached tokens, once served
 
     def routed(self, routing: Routing, decision: Decision) -> None:
         self.policy, self.reason = decision.policy, decision.reason
@@ -154,6 +157,11 @@ class Recorder:
             if sent.cached_tokens is not None and sent.input_tokens:
                 m.observed_prompt_tokens.labels(pool).inc(sent.input_tokens)
                 m.observed_cached_tokens.labels(pool).inc(sent.cached_tokens)
+            if sent.predicted_tokens is not None:
+                rec.receipt = self.receipt(snap, rec)
+                if rec.receipt is not None:
+                    m.receipts.labels(pool, rec.receipt.verdict).inc()
+                    m.receipt_error.labels(pool).observe(rec.receipt.error)
         elif replica != "none":
             m.attempts.labels(pool, replica, f"status_{status // 100}xx").inc()
         if pool != "none":
@@ -174,6 +182,16 @@ class Recorder:
             _finish_trace(rec, rec.trace, status, now)
         if ACCESS.isEnabledFor(logging.INFO):
             self.log(snap, rec, status or 499, e2e, ttft)
+
+    @staticmethod
+    def receipt(snap: Snapshot, rec: Record) -> Receipt | None:
+        """The served request's route receipt (gateway/receipt.py), if the engine reported."""
+        sent, chunker = rec.sent, snap.chunker
+        assert sent.predicted_tokens is not None
+        block = sent.engine_block or int(chunker.tokens_per_block)
+        bytes_block = None if chunker.mode == "tokens" else chunker.tokens_per_block
+        return receipt(sent.predicted_tokens, rec.prompt_tokens, sent.input_tokens,
+                       sent.cached_tokens, block, bytes_block)  # fmt: skip
 
     def log(
         self, snap: Snapshot, rec: Record, status: int, total_s: float, ttft_s: float | None
@@ -201,6 +219,7 @@ class Recorder:
                     "stream": rec.stream,
                     "priority": rec.priority or None,
                     "prompt_tokens": prompt,
+                    "predicted_cached_tokens": None if rec.receipt is None else rec.receipt.predicted,
                     "cached_tokens": sent.cached_tokens,
                     "output_tokens": sent.output_tokens,
                     "queue_s": None if rec.queue_wait_s is None else round(rec.queue_wait_s, 6),
@@ -219,6 +238,8 @@ _PROMPT_TOKENS, _PROMPT_BLOCKS = _NAMES["prompt_tokens_estimated"], _NAMES["prom
 _CACHED_BLOCKS, _HASH_US = _NAMES["predicted_cached_blocks"], _NAMES["route_hash_us"]
 _MATCH_US, _CHOOSE_US = _NAMES["route_match_us"], _NAMES["route_choose_us"]
 _INPUT_TOKENS, _OUTPUT_TOKENS = _NAMES["input_tokens"], _NAMES["output_tokens"]
+_R_PREDICTED = ROUTE_ATTRIBUTES["receipt_predicted_tokens"]
+_R_CACHED, _R_VERDICT = ROUTE_ATTRIBUTES["receipt_cached_tokens"], ROUTE_ATTRIBUTES["receipt_verdict"]
 _SAME: dict[tuple[object, ...], Mapping[str, object]] = {}  # a trace's repeating set, by values
 _SAME_MAX = 4096  # sets kept; cleared when full
 
@@ -288,12 +309,13 @@ def _finish_trace(rec: Record, tr: RequestTrace, status: int, now: int) -> None:
         rec.predicted_hit_blocks, tuple(sent.tried), rec.outcome, rec.priority, sent.replica,
         rec.policy, rec.reason, rec.snapshot, rec.stages if rec.t_routed else None,
         sent.input_tokens, sent.output_tokens, status, rec.path or sent.path, sent.method,
+        rec.receipt,
     )  # fmt: skip
 
-    def named() -> tuple[Mapping[str, object], dict[str, object]]:  # no Record or RequestTrace
+    def named() -> Named:  # no Record or RequestTrace
         (model, tenant, pool, prompt_tokens, blocks, hit_blocks, tried, outcome, priority,
          replica, policy, reason, version, stages, input_tokens, output_tokens, code, path,
-         method) = v  # fmt: skip
+         method, receipt) = v  # fmt: skip
         # what repeats from request to request first: one shared mapping per set of values,
         # which the encoder encodes once (by identity) and build() reuses with the Host's names
         key = (model, tenant, pool, tried, outcome, method, path, priority, replica, policy,
@@ -314,7 +336,11 @@ def _finish_trace(rec: Record, tr: RequestTrace, status: int, now: int) -> None:
             measured[_INPUT_TOKENS] = input_tokens
         if output_tokens is not None:
             measured[_OUTPUT_TOKENS] = output_tokens
-        return same, measured
+        if receipt is None:
+            return same, measured
+        route = {_R_PREDICTED: receipt.predicted, _R_CACHED: receipt.reported,
+                 _R_VERDICT: receipt.verdict}  # fmt: skip
+        return same, measured, route
 
     tr.finish(
         queue=queue,

@@ -86,6 +86,7 @@ class ReplicaState:
     scraped_at: float = 0.0
     tier_load: TierLoadMeter = field(default_factory=TierLoadMeter)  # its tiers' measured rates
     engine_kv: tuple[int, int] | None = None  # (block size, KV tokens) the engine last reported
+    engine_started: float | None = None  # its process's start time, as last scraped
     ttft_ewma_s: float | None = None
     served_models: frozenset[str] = frozenset()  # from the replica's /v1/models
     lora: ReplicaAdapters = field(default_factory=ReplicaAdapters)  # its LoRA adapters
@@ -104,6 +105,9 @@ class ReplicaState:
     # the engine reported a new KV geometry (`engine_kv`): set by its ReplicaMonitor, which
     # sizes the replica in the index by it
     on_engine_kv: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
+    # its prefix cache is gone (the engine restarted, or its health probes opened the circuit):
+    # the index forgets what it held; set by its ReplicaMonitor
+    on_lost: Callable[[ReplicaState, str], None] | None = field(default=None, repr=False)
     _idle: asyncio.Event | None = field(default=None, repr=False)
 
     @classmethod
@@ -192,6 +196,11 @@ class ReplicaState:
         """What one scrape says, this gateway's or (shared load) the fleet's scraper's: the load,
         the adapters in flight, the engine's KV geometry (`on_engine_kv` when it is new)."""
         self.took_sample(sample, now)
+        started = sample.started
+        if started is not None:
+            if self.engine_started is not None and started != self.engine_started:
+                self.lost("the engine restarted (process_start_time_seconds changed)")
+            self.engine_started = started
         if lora is not None:  # adapters in flight, by the newest series (gateway/lora.py)
             self.lora.set_metric(lora[0], lora[1], self.lora_max)
         tokens = sample.kv_tokens
@@ -239,10 +248,19 @@ class ReplicaState:
             log.info("replica %s: circuit closed", self.name)
             self._changed()
 
-    def failed(self, why: str) -> None:
+    def failed(self, why: str) -> bool:
+        """Count a failure; True when it opened the circuit."""
         if self.circuit.failure(time.monotonic()):
             log.warning("replica %s: circuit opened (%s)", self.name, why)
             self._changed()
+            return True
+        return False
+
+    def lost(self, why: str) -> None:
+        """Its KV cache is gone or out of reach: what the index holds for it is no prediction."""
+        log.warning("replica %s: %s; the index forgets its blocks", self.name, why)
+        if self.on_lost is not None:
+            self.on_lost(self, why)
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -260,14 +278,17 @@ class ReplicaMonitor:
         health: HealthConfig,
         scrape: ScrapeConfig,
         on_engine_kv: Callable[[ReplicaState], None] | None = None,
+        on_lost: Callable[[ReplicaState, str], None] | None = None,
     ) -> None:
         """`on_engine_kv(replica)`: the engine reported its KV cache geometry for the first time,
-        or another one (`replica.engine_kv`), in its `cache_config_info` metric."""
+        or another one (`replica.engine_kv`), in its `cache_config_info` metric. `on_lost(replica,
+        why)`: its prefix cache is gone (ReplicaState.lost)."""
         self.replica = replica
         self.client = client
         self.health = health
         self.scrape = scrape
         replica.on_engine_kv = on_engine_kv
+        replica.on_lost = on_lost
         self._tasks: list[asyncio.Task[None]] = []
         self._scrape_failing = False
         self.models_refresh_s = 5.0  # pools.<p>.lora.refresh_s
@@ -298,8 +319,8 @@ class ReplicaMonitor:
             ok = False
         if ok:
             r.succeeded()
-        else:
-            r.failed("health probe failed")
+        elif r.failed("health probe failed"):
+            r.lost("its health probes failed until its circuit opened")
         return ok
 
     async def scrape_once(self) -> LoadSample | None:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from prefix_index.base import PrefixIndex
     from prefix_index.chunking import Chunker
 
+    from .failover import Forwarded
     from .pools import Pool
     from .replicas import ReplicaState
 
@@ -128,6 +129,7 @@ class Router:
             session_key=inp.session_key if inp.session_key is not None else req.user,
             priority=inp.priority,
             tenant=inp.tenant,
+            adapter=bool(req.model) and any(r.lora.is_adapter(req.model) for r in pool.replicas),
         )
         return Routing(routed, text, render_ns + time.perf_counter_ns() - t0)
 
@@ -296,6 +298,13 @@ class Dispatch:
         cached = outcome.credited_cached_tokens()
         if served and cached is not None and (self.hit_tokens or tiers):
             self.pool.audit.observe(self.hit_tokens, tiers, cached)
+
+    def receipt_inputs(self, fwd: Forwarded) -> None:
+        """This dispatch answered: its predicted hit and the engine's block, for the receipt."""
+        if self.pool.policy.needs_prefix:
+            fwd.predicted_tokens = self.hit_tokens
+        kv = self.replica.engine_kv
+        fwd.engine_block = kv[0] if kv is not None else None
 
     def tier_tokens(self) -> dict[str, int] | None:
         """Tokens this dispatch expects to load per lower tier (the view's `tier_hits`)."""

@@ -34,6 +34,9 @@ _FIELDS: dict[str, str] = {
     "sglang:num_running_reqs": "running",
     "sglang:token_usage": "kv_usage",
     "sglang:num_retracted_reqs": "preemptions",
+    # the engine's API server process (prometheus_client's process collector): a new value is a
+    # restart, whose prefix cache starts empty
+    "process_start_time_seconds": "started",
     # loads from lower KV tiers: by tier (the transfer_type label) or LMCache's store
     "vllm:kv_offload_total_bytes": "transfer_bytes",
     "vllm:kv_offload_total_bytes_total": "transfer_bytes",
@@ -62,6 +65,7 @@ class LoadSample:
     preemptions: float | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    started: float | None = None  # the engine process's start (Unix seconds)
     block_size: int | None = None  # the engine's KV block size in tokens (cache_config_info)
     kv_blocks: int | None = None  # its KV blocks, all engines (DP ranks) together
     # bytes loaded into the GPU from each lower tier, and the seconds it took (vLLM's

@@ -38,8 +38,13 @@ Segment = tuple[int, int]
 Attempt = tuple[str, str, int, int, int, "str | None"]
 # a child span once built: name, span id, start, end (epoch ns), attributes, error type or None
 Child = tuple[str, int, int, int, "Mapping[str, Any]", "str | None"]
-# root attributes by name; or a pair: those that repeat from request to request, the measured
-Named = Mapping[str, Any] | tuple[Mapping[str, Any], Mapping[str, Any]]
+# root attributes by name; or a pair: those that repeat from request to request, the measured;
+# or a triple: those two, then the route span's own (the route receipt)
+Named = (
+    Mapping[str, Any]
+    | tuple[Mapping[str, Any], Mapping[str, Any]]
+    | tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]
+)
 # what RequestTrace.finish was given
 _Given = tuple[
     "tuple[Segment | None, ...]",
@@ -105,6 +110,13 @@ ATTRIBUTES: dict[str, str] = {
     "server_port": "server.port",
     "user_agent": "user_agent.original",
 }
+# the route receipt (gateway/receipt.py), attributes of the gateway.route span once the answer
+# came: predicted vs engine-reported cached prompt tokens, and the verdict
+ROUTE_ATTRIBUTES: dict[str, str] = {
+    "receipt_predicted_tokens": "gateway.route.predicted_cached_tokens",
+    "receipt_cached_tokens": "gateway.route.cached_tokens",
+    "receipt_verdict": "gateway.route.receipt",
+}
 # the type of every root and attempt attribute, as docs/tracing.md states it (a test holds the
 # two together)
 TYPES: dict[str, str] = {
@@ -113,7 +125,7 @@ TYPES: dict[str, str] = {
             "gateway.tenant", "gateway.priority", "gen_ai.request.model", "gateway.pool",
             "gateway.replica", "gateway.policy", "gateway.route.reason", "gateway.outcome",
             "error.type", "http.request.method", "url.path", "url.scheme", "http.route",
-            "server.address", "user_agent.original", "url.full",
+            "server.address", "user_agent.original", "url.full", "gateway.route.receipt",
         ),
         "string",
     ),
@@ -124,6 +136,7 @@ TYPES: dict[str, str] = {
             "gateway.route.hash_us", "gateway.route.match_us", "gateway.route.choose_us",
             "gateway.prefix.prompt_blocks", "gen_ai.usage.output_tokens", "gateway.retries",
             "http.response.status_code", "server.port", "http.request.resend_count",
+            "gateway.route.predicted_cached_tokens", "gateway.route.cached_tokens",
         ),
         "int",
     ),
@@ -291,7 +304,13 @@ class RequestTrace:
         segs, attempts, end_ns, named, error_type = given
         values = self.attributes
         got = (named() if callable(named) else named) if named else _EMPTY
-        repeat, measured = got if isinstance(got, tuple) else (got, None)
+        route_attrs = _EMPTY
+        if isinstance(got, tuple):
+            repeat, measured = got[0], got[1]
+            if len(got) == 3:
+                route_attrs = got[2]
+        else:
+            repeat, measured = got, None
         if not values and measured is not None and type(repeat) is MappingProxyType:
             # a shared (read-only) repeating set: with the Host's names, one mapping, kept
             key = (id(repeat), self.host, self.agent)
@@ -312,7 +331,8 @@ class RequestTrace:
             if seg is not None:
                 s = seg[0] if seg[0] > prev else prev
                 prev = seg[1] if seg[1] > s else s
-                children.append((name, _getrandbits(64) or 1, s, prev, _EMPTY, None))
+                attrs = route_attrs if name == "gateway.route" else _EMPTY
+                children.append((name, _getrandbits(64) or 1, s, prev, attrs, None))
         prefill, decode = segs[3] or segs[2], segs[4]  # P/D: the first token ends kv.transfer
         if prefill is not None and _TTFT not in values:
             values[_TTFT] = (max(prefill[1], start) - start) / 1e9

@@ -24,6 +24,9 @@ class RoutedRequest:
     session_key: str | None = None  # stickiness key (header or `user`), when the client sent one
     priority: str = "interactive"
     tenant: str = "anonymous"
+    # the model is a LoRA adapter some replica of the pool serves (or the gateway places): a
+    # replica that lists no adapters cannot serve it (vLLM answers 404)
+    adapter: bool = False
 
     @property
     def n_blocks(self) -> int:

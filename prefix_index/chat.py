@@ -22,7 +22,9 @@ _JSON_OPTS = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
 _KNOWN = frozenset({"role", "name", "content", "tool_calls", "tool_call_id"})
 
 
-def render_chat(messages: Sequence[Mapping[str, Any]]) -> str:
+def render_chat(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+) -> str:
     """Render chat messages the way a chat template does in shape (append-only).
 
     `render_chat(m[:k])` is a prefix of `render_chat(m)`, and a message's content starts right
@@ -30,11 +32,23 @@ def render_chat(messages: Sequence[Mapping[str, Any]]) -> str:
     leading bytes here too. Text parts are joined by newlines (as vLLM joins them for string
     templates); an image, audio or file part becomes `<type:digest>` of its canonical JSON (the
     engine keys its KV by the media's content hash); tool calls follow the content as JSON.
+    The request's `tools` (its tool definitions) come as one block of canonical JSON after a
+    leading system message, where the common templates (Qwen, Hermes) put them, else first:
+    two requests with other tools share the system prompt and nothing after it.
     """
     out: list[str] = []
+    if tools:
+        first = messages[0] if messages else None
+        at = 1 if isinstance(first, Mapping) and first.get("role") in ("system", "developer") else 0
+        block = f"{START}tools\n{_canonical(tools)}{END}"
+        for message in messages[:at]:
+            _render_message(message, out)
+        out.append(block)
+        messages = messages[at:]
     for message in messages:
         _render_message(message, out)
     return "".join(out)
+
 
 
 def _render_message(message: Any, out: list[str]) -> None:

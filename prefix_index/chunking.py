@@ -58,8 +58,11 @@ class Chunker(Protocol):
     mode: str
     tokens_per_block: float  # converts blocks to (estimated) tokens
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str | list[int]:
-        """What a chat request's prompt is hashed as: text (bytes mode) or token ids."""
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+    ) -> str | list[int]:
+        """What a chat request's prompt is hashed as: text (bytes mode) or token ids; `tools`:
+        the request's tool definitions, which templates render into the prompt."""
         ...
 
     def hash_text(self, scope: str, text: str) -> list[int]: ...
@@ -159,8 +162,10 @@ class ByteChunker:
         self._seeds = _Seeds()
         self._hasher = ChainHasher()
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        return render_chat(messages)
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+    ) -> str:
+        return render_chat(messages, tools)
 
     def hash_text(self, scope: str, text: str) -> list[int]:
         seed = self._seeds.get(scope, _DOMAIN_TEXT)
@@ -237,12 +242,14 @@ class TokenChunker:
         self._last = (text, ids)
         return ids
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+    ) -> list[int]:
         """The token ids the engine prefills for a chat (with its generation prompt)."""
         template = self._template
         if template is not None:
             try:
-                text = template.render(messages)
+                text = template.render(messages, tools=tools)
             except Exception:  # noqa: BLE001 - hashing never fails a request
                 # The template rejects these messages (a bad role order, say): the engine
                 # answers the client's error; the gateway still routes, as ChatML.
@@ -251,9 +258,9 @@ class TokenChunker:
                 ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
                 return ids
         try:
-            return self.encode(self._chatml.render(messages))
+            return self.encode(self._chatml.render(messages, tools=tools))
         except Exception:  # noqa: BLE001 - odd messages: hash their bytes rendering
-            return self.encode(render_chat(messages))
+            return self.encode(render_chat(messages, tools))
 
     def hash_text(self, scope: str, text: str) -> list[int]:
         return self.hash_tokens(scope, self.encode(text))

@@ -28,12 +28,23 @@ __all__ = [
 TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save the template
 CONFIG_FILE = "tokenizer_config.json"
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
-# ChatML as Qwen2.5 renders a chat without tools or a default system message: what tokens mode
-# uses when the tokenizer has no template of its own (and for chats a template rejects).
+# ChatML as Qwen2.5 renders a chat without a default system message: what tokens mode uses when
+# the tokenizer has no template of its own (and for chats a template rejects). A request's tools
+# go into the system message after its content, in Qwen's shape (the simulator's built-in ChatML
+# renders the same text).
 CHATML = (  # every output is an expression: trim_blocks / lstrip_blocks never touch it
+    "{%- set lead = messages and messages[0].role in ('system', 'developer') %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}{%- if lead %}{{- messages[0].content ~ '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call functions. Their signatures:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' ~ (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nCall one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>."
+    "<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for m in messages %}"
     "{%- set role = 'system' if m.role == 'developer' else m.role %}"
-    "{%- if role == 'tool' %}"
+    "{%- if tools and lead and loop.first %}"
+    "{%- elif role == 'tool' %}"
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
     "{{- '<|im_start|>user' }}{%- endif %}"
     "{{- '\\n<tool_response>\\n' ~ m.content ~ '\\n</tool_response>' }}"
@@ -71,19 +82,32 @@ class ChatTemplate:
         self.origin = origin
         self.special = dict(special or {})
         try:
-            self._template = _environment().from_string(source)
+            env = _environment()
+            self._template = env.from_string(source)
+            # as vLLM decides per template: a template that loops over a message's content gets
+            # the content as OpenAI parts, any other the text parts joined into one string
+            self.content_format = content_format(env.parse(source))
         except jinja2.TemplateError as exc:
             raise ValueError(f"{origin}: the chat template does not compile: {exc}") from None
+        # a template that never names the developer role gets developer messages as system ones
+        self.developer = "'developer'" in source or '"developer"' in source
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Any] | None = None,
     ) -> str:
-        """The prompt text the engine builds for `messages` (raises jinja2.TemplateError when
-        the template rejects them, as templates do for a bad role order)."""
+        """The prompt text the engine builds for `messages` and the request's `tools` (raises
+        jinja2.TemplateError when the template rejects them, as templates do for a bad role
+        order). Tools go to the template as the request sent them, as vLLM passes them."""
+        engine = engine_messages(messages, parts=self.content_format == "openai")
+        if not self.developer and any(m.get("role") == "developer" for m in engine):
+            engine = system_for_developer(engine)
         text: str = self._template.render(
-            messages=engine_messages(messages),
+            messages=engine,
             add_generation_prompt=add_generation_prompt,
-            tools=None,
+            tools=tools or None,
             documents=None,
             **self.special,
         )
@@ -139,10 +163,17 @@ def special_tokens(config_file: Path) -> dict[str, str]:
     return out
 
 
-def engine_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as vLLM hands them to a template with its "string" content format.
+def engine_messages(
+    messages: Sequence[Mapping[str, Any]], parts: bool = False
+) -> list[dict[str, Any]]:
+    """Messages as vLLM hands them to a template with its "string" content format, or with
+    `parts`, its "openai" one (`content_format`).
 
-    A list content becomes its text parts joined by "\\n". vLLM replaces an image or audio part
+    String format: a list content becomes its text parts joined by "\\n". OpenAI format: every
+    content a list of parts (a string one text part, no content none), text parts as
+    `{"type": "text", "text": ...}`, media as `{"type": <its type>}` (vLLM's placeholder dicts;
+    the media's digest goes with it here, as `digest`, so two images differ); but a tool
+    message's text parts are joined into a string, as vLLM joins them. vLLM replaces an image or audio part
     with the model's placeholder tokens (expanded to the media's length) and keys their KV by
     the media's hash; here it becomes `<type:digest>` text, so two images differ and the same
     image matches, and like vLLM's placeholders these go before the text. An assistant's tool
@@ -155,7 +186,13 @@ def engine_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
             out.append({"role": "", "content": _json(message)})
             continue
         role = message.get("role")
-        msg: dict[str, Any] = {"role": role, "content": content_text(message.get("content"))}
+        content = message.get("content")
+        msg: dict[str, Any] = {
+            "role": role,
+            "content": content_parts(content)
+            if parts and not (role == "tool" and _text_only(content))
+            else content_text(content),
+        }
         calls = message.get("tool_calls")
         if role == "assistant" and isinstance(calls, list):
             msg["tool_calls"] = [_tool_call(call) for call in calls]
@@ -190,6 +227,114 @@ def content_text(content: Any) -> str:
 
 
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})  # vLLM parses all three as text
+
+
+def content_parts(content: Any) -> list[dict[str, Any]]:
+    """A message's content as the OpenAI parts vLLM gives an "openai"-format template."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        return [{"type": "text", "text": _json(content)}]
+    out: list[dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, str):
+            out.append({"type": "text", "text": part})
+        elif isinstance(part, Mapping) and _is_text(part):
+            out.append({"type": "text", "text": str(part.get("text", ""))})
+        else:
+            kind = part.get("type", "") if isinstance(part, Mapping) else ""
+            out.append({"type": kind, "digest": media_digest(part)})
+    return out
+
+
+def _text_only(content: Any) -> bool:
+    return not isinstance(content, list) or all(
+        isinstance(p, str) or (isinstance(p, Mapping) and _is_text(p)) for p in content
+    )
+
+
+def system_for_developer(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's handling of a developer message for a template that does not know the role: it
+    becomes a system message, and when that leaves a system message anywhere but first (or
+    several), all system messages are merged, in order, into one first ("\\n\\n" between)."""
+    converted = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    systems = [i for i, m in enumerate(converted) if m.get("role") == "system"]
+    if not systems or systems == [0]:
+        return converted
+    texts = []
+    for i in systems:
+        content = converted[i].get("content")
+        text = content if isinstance(content, str) else "\n".join(
+            str(p.get("text", "")) for p in content or () if isinstance(p, Mapping) and "text" in p
+        )
+        if text:
+            texts.append(text)
+    rest = [m for m in converted if m.get("role") != "system"]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
+
+
+def content_format(ast: Any) -> str:
+    """"openai" when a template loops over a message's content, else "string": vLLM's rule. A
+    message is a loop variable over `messages` (or a name set from it); its content is `m.content`
+    or `m['content']` (through filters, tests and slices), a name `content` looped over outside a
+    macro, or a macro's parameter that a call passes a message's content to."""
+    from jinja2 import nodes
+
+    def unwrap(node: Any) -> Any:
+        while True:
+            if isinstance(node, nodes.Filter | nodes.Test) and node.node is not None:
+                node = node.node
+            elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+                node = node.node
+            else:
+                return node
+
+    def is_name(node: Any, names: set[str]) -> bool:
+        node = unwrap(node)
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
+
+    def is_content_of(node: Any, names: set[str]) -> bool:
+        node = unwrap(node)
+        if isinstance(node, nodes.Getitem):
+            return is_name(node.node, names) and isinstance(node.arg, nodes.Const) \
+                and node.arg.value == "content"
+        if isinstance(node, nodes.Getattr):
+            return is_name(node.node, names) and node.attr == "content"
+        return False
+
+    lists = {"messages"}  # names that hold the messages (or a slice of them)
+    changed = True
+    while changed:
+        changed = False
+        for assign in ast.find_all(nodes.Assign):
+            if isinstance(assign.target, nodes.Name) and assign.target.name not in lists \
+                    and is_name(assign.node, lists):
+                lists.add(assign.target.name)
+                changed = True
+    loops = list(ast.find_all(nodes.For))
+    items = {f.target.name for f in loops if isinstance(f.target, nodes.Name) and is_name(f.iter, lists)}
+    params: set[str] = set()  # macro parameters given a message's content
+    in_macros: set[int] = set()
+    for macro in ast.find_all(nodes.Macro):
+        names = [a.name for a in macro.args]
+        for call in ast.find_all(nodes.Call):
+            if isinstance(call.node, nodes.Name) and call.node.name == macro.name:
+                params |= {names[i] for i, a in enumerate(call.args[: len(names)])
+                           if is_content_of(a, items)}
+                params |= {k.key for k in call.kwargs if k.key in names and is_content_of(k.value, items)}
+        in_macros |= {id(f) for f in macro.find_all(nodes.For)}
+    for loop in loops:
+        it = loop.iter
+        if is_content_of(it, items):
+            return "openai"
+        if isinstance(it, nodes.Name) and (
+            (id(loop) in in_macros and it.name in params)
+            or (id(loop) not in in_macros and it.name == "content")
+        ):
+            return "openai"
+    return "string"
 
 
 def _is_text(part: Mapping[str, Any]) -> bool:

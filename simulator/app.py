@@ -24,7 +24,7 @@ from simulator.kv_cache import PrefixCache
 from simulator.lora import LoraState
 from simulator.lora_api import adapter_cards, lora_routes
 from simulator.metrics import CONTENT_TYPE
-from simulator.openai_api import ApiError, bad
+from simulator.openai_api import ApiError, bad, not_found_model
 from simulator.responses import ResponsesService
 from simulator.serving import CompletionService, json_body, json_object
 from simulator.tokenizer import Tokenizer
@@ -58,6 +58,9 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
+# vLLM's scale-out endpoints: 403 unless its server runs with --enable-scale-out
+SCALE_OUT = ("/v1/chat/completions/render", "/v1/completions/render", "/v1/responses/render",
+             "/v1/chat/completions/derender", "/v1/completions/derender")
 POOLED = {  # path -> the answer for a parsed body (simulator/pooling.py)
     "/v1/embeddings": pooling.embeddings, "/pooling": pooling.pooling,
     "/classify": pooling.classify, "/score": pooling.score, "/v1/score": pooling.score,
@@ -84,7 +87,7 @@ def create_app(parts: AppParts) -> Starlette:
         body = await json_object(request)
         model = body.get("model")
         if model is not None and model != parts.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+            raise not_found_model(model, parts.model_name)
         if request.url.path == "/detokenize":
             return json_response(pooling.detokenize(body, tok))
         return json_response(POOLED[request.url.path](body, tok, parts.model_name))
@@ -124,12 +127,17 @@ def create_app(parts: AppParts) -> Starlette:
         body = await json_body(request)
         if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
             raise bad("send either prompt or messages")
+        model = body.get("model")
+        if model is not None and model != parts.model_name:
+            raise not_found_model(model, parts.model_name)
         if "messages" in body:
             if not isinstance(body["messages"], list):
                 raise bad("messages must be a list", "messages")
             add_gen = body.get("add_generation_prompt", True) is not False
+            tools = body.get("tools")
             try:
-                tokens = tok.encode_chat(body["messages"], add_gen)
+                tokens = tok.encode_chat(body["messages"], add_gen,
+                                         tools if isinstance(tools, list) else None)
             except AttributeError:
                 raise bad("messages must be objects with role and content", "messages") from None
             except ValueError as exc:  # a content of the wrong type, or the template rejects it
@@ -192,12 +200,17 @@ def create_app(parts: AppParts) -> Starlette:
 
     async def reset_prefix_cache(request: Request) -> Response:
         parts.reset_prefix_cache()
-        return Response(b"", status_code=200)
+        return json_response({"success": True})  # vLLM 0.32's answer
 
     async def server_info(request: Request) -> Response:
         if parts.server_info is None:
             raise ApiError(404, "Not Found")
         return json_response(parts.server_info())
+
+    async def scale_out(request: Request) -> Response:
+        # vLLM serves /render only when started with --enable-scale-out (the simulator never is)
+        raise ApiError(403, "Scale-out endpoints are disabled. Restart vllm serve with "
+                       "--enable-scale-out to enable them.")
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
@@ -227,6 +240,7 @@ def create_app(parts: AppParts) -> Starlette:
         Route("/kv_event_sources", kv_event_sources, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         Route("/server_info", server_info, methods=["GET"]),
+        *(Route(p, scale_out, methods=["POST"]) for p in SCALE_OUT),
         Route("/get_server_info", server_info, methods=["GET"]),
         *lora_routes(parts.lora),
     ]

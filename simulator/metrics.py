@@ -5,6 +5,7 @@ One CollectorRegistry per replica; gauges and counters are read from the engine 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -36,6 +37,7 @@ class _EngineCollector(Collector):
     def __init__(self, engine: Engine, labels: list[str]) -> None:
         self.engine = engine
         self.labels = labels
+        self.started = time.time()  # as vLLM's process collector: a new value is a restart
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -43,6 +45,9 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         e, lv = self.engine, self.labels
         c = e.counters
+        yield GaugeMetricFamily("process_start_time_seconds",
+                                "Start time of the process since unix epoch in seconds.",
+                                value=self.started)
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         for family, name, doc, value in (
             (gauge, "vllm:num_requests_running", "Number of requests in model execution batches.",

@@ -19,22 +19,35 @@ MAX_TOKEN_ID = 2**31 - 1
 class ApiError(Exception):
     """An error the client sees as vLLM's `{"error": {message, type, param, code}}`."""
 
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-             503: "ServiceUnavailableError"}
+    TYPES = {400: "BadRequestError", 403: "PermissionDeniedError", 404: "NotFoundError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.kind = kind or self.TYPES.get(status, "Error")
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
-                          "param": self.param, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.status}}
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
+
+
+def invalid(loc: str, kind: str, msg: str, value: Any) -> ApiError:
+    """vLLM's answer to a body its request model cannot validate (FastAPI's validation error, as
+    vLLM renders it: type `Bad Request`, the field's location as `param`)."""
+    detail = {"type": kind, "loc": loc, "msg": msg, "input": str(value)}
+    return ApiError(400, f"1 validation error:\n  {detail}", loc, kind="Bad Request")
+
+
+def not_found_model(model: str, served: str) -> ApiError:
+    return ApiError(404, f"The model `{model}` does not exist. Valid aliases: {served}.", "model")
 
 
 @dataclass(slots=True)
@@ -58,87 +71,160 @@ class EngineRequest:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.request_id
 
 
-def _opt_int(body: Mapping[str, Any], key: str, lo: int) -> int | None:
+# pydantic's lax mode, as vLLM's request models validate scalars: an integer field takes an int,
+# an integral float or a numeric string; a boolean takes true/false, 0/1 and their usual words
+_TRUE = frozenset({"true", "1", "yes", "on", "t", "y"})
+_FALSE = frozenset({"false", "0", "no", "off", "f", "n"})
+
+
+def _lax_int(body: Mapping[str, Any], key: str) -> int | None:
     v = body.get(key)
+    if v is None or (isinstance(v, int) and not isinstance(v, bool)):
+        return v
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            pass
+        raise invalid(f"body.{key}", "int_parsing",
+                      "Input should be a valid integer, unable to parse string as an integer", v)
+    raise invalid(f"body.{key}", "int_type", "Input should be a valid integer", v)
+
+
+def _lax_float(body: Mapping[str, Any], key: str) -> None:
+    v = body.get(key)
+    if v is None or (isinstance(v, int | float) and not isinstance(v, bool)):
+        return
+    if isinstance(v, str):
+        try:
+            float(v)
+            return
+        except ValueError:
+            raise invalid(f"body.{key}", "float_parsing",
+                          "Input should be a valid number, unable to parse string as a number",
+                          v) from None
+    raise invalid(f"body.{key}", "float_type", "Input should be a valid number", v)
+
+
+def _lax_bool(body: Mapping[str, Any], key: str) -> bool:
+    v = body.get(key, False)
+    if isinstance(v, bool) or v is None:
+        return bool(v)
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.lower() in _TRUE | _FALSE:
+        return v.lower() in _TRUE
+    raise invalid(f"body.{key}", "bool_parsing",
+                  "Input should be a valid boolean, unable to interpret input", v)
+
+
+def _max_tokens(body: Mapping[str, Any], key: str, max_model_len: int | None) -> int | None:
+    v = _lax_int(body, key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise bad(f"{key} must be an integer >= {lo}", key)
+    if v < 1:
+        raise bad(f"{key} must be at least 1, got {v}. (parameter={key}, value={v})", key)
+    if max_model_len is not None and v > max_model_len:
+        raise bad(f"{key}={v} cannot be greater than max_model_len={max_model_len}. Please "
+                  f"request fewer output tokens. (parameter={key}, value={v})", key)
     return v
 
 
-def _token_list(v: Any) -> list[int] | None:
+def _token_list(v: Any, vocab: int | None) -> list[int] | None:
     if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool)
                                          for t in v):
-        if any(t < 0 or t > MAX_TOKEN_ID for t in v):
-            raise bad(f"token ids must be in [0, {MAX_TOKEN_ID}]", "prompt")
+        for t in v:
+            if t < 0 or t > MAX_TOKEN_ID or (vocab is not None and t >= vocab):
+                raise bad(f"Token id {t} is out of vocabulary")
         return list(v)
     return None
 
 
 def _prompts(v: Any, tok: Tokenizer) -> list[list[int]]:
     """vLLM's accepted prompt shapes: str, list[str], list[int], list[list[int]]."""
+    vocab = getattr(tok, "vocab_size", None)
+    if v is None or v == "":
+        raise bad("Either prompt or prompt_embeds must be provided and non-empty. "
+                  "(parameter=prompt)", "prompt")
+    if v == []:
+        raise bad("You must pass at least one prompt")
     if isinstance(v, str):
         return [tok.encode(v)]
-    single = _token_list(v)
+    single = _token_list(v, vocab)
     if single is not None:
         return [single]
-    if isinstance(v, list) and v:
+    if isinstance(v, list):
         out = []
-        for item in v:
-            ids = tok.encode(item) if isinstance(item, str) else _token_list(item)
+        for i, item in enumerate(v):
+            ids = tok.encode(item) if isinstance(item, str) else _token_list(item, vocab)
             if ids is None:
-                break
+                raise invalid(f"body.prompt.{i}", "list_type", "Input should be a valid list",
+                              item)
             out.append(ids)
-        else:
-            return out
-    raise bad("prompt must be a string, a list of strings, a list of token ids or a list of "
-              "lists of token ids", "prompt")
+        return out
+    raise invalid("body.prompt", "list_type", "Input should be a valid list", v)
 
 
-def parse_request(body: Any, tok: Tokenizer, *, chat: bool) -> EngineRequest:
+def parse_request(body: Any, tok: Tokenizer, *, chat: bool,
+                  max_model_len: int | None = None) -> EngineRequest:
+    """A chat or completions body checked as vLLM 0.32 checks it (the same status, type, param
+    and message for the cases `tests/vllm_facts.py` records from the real engine)."""
     if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
+        raise invalid("body", "model_attributes_type", "Input should be a valid dictionary", body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise bad("model must be a string", "model")
+        raise invalid("body.model", "string_type", "Input should be a valid string", model)
+    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        _lax_float(body, key)
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or \
-                not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise bad("messages must be a non-empty list of objects with a role", "messages")
+        if not isinstance(messages, list):
+            raise invalid("body.messages", "list_type", "Input should be a valid list", messages)
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise invalid(f"body.messages.{i}", "missing", "Field required", m)
+        if not messages:
+            raise bad("Cannot apply chat template to an empty conversation. Provide at least "
+                      "one message.")
         add_gen = body.get("add_generation_prompt", True) is not False
+        tools = body.get("tools")
         try:
-            prompts = [tok.encode_chat(messages, add_gen)]
+            prompts = [tok.encode_chat(messages, add_gen, tools if isinstance(tools, list) else None)]
         except ValueError as exc:
             raise bad(str(exc), "messages") from None
-        max_tokens = _opt_int(body, "max_completion_tokens", 1)
+        max_tokens = _max_tokens(body, "max_completion_tokens", max_model_len)
         if max_tokens is None:
-            max_tokens = _opt_int(body, "max_tokens", 1)
+            max_tokens = _max_tokens(body, "max_tokens", max_model_len)
     else:
-        if "prompt" not in body:
-            raise bad("prompt is required", "prompt")
-        prompts = _prompts(body["prompt"], tok)
-        max_tokens = _opt_int(body, "max_tokens", 1)
+        prompts = _prompts(body.get("prompt"), tok)
+        max_tokens = _max_tokens(body, "max_tokens", max_model_len)
     if any(not p for p in prompts):
-        raise bad("the prompt is empty", "prompt")
-    n = _opt_int(body, "n", 1)
+        raise bad("Either prompt or prompt_embeds must be provided and non-empty. "
+                  "(parameter=prompt)", "prompt")
+    n = _lax_int(body, "n")
+    if n is not None and n < 1:
+        raise bad(f"n must be at least 1, got {n}.")
     if n is not None and n != 1:
-        raise bad("the simulator supports n=1 only", "n")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("stream must be a boolean", "stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise bad("stream_options must be an object", "stream_options")
-    priority = body.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise bad("priority must be an integer", "priority")
+        raise bad("the simulator supports n=1 only", "n")  # vLLM serves n > 1
+    stream = _lax_bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not stream:
+        raise bad("Stream options can only be defined when `stream=True`. "
+                  "(parameter=stream_options)", "stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise invalid("body.stream_options", "model_type",
+                      "Input should be a valid dictionary or instance of StreamOptions", opts)
+    priority = _lax_int(body, "priority") or 0
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
-        raise bad("cache_salt must be a non-empty string", "cache_salt")
+        raise bad("Parameter 'cache_salt' must be a non-empty string if provided. "
+                  "(parameter=cache_salt)", "cache_salt")
     return EngineRequest(chat=chat, model=model, prompts=prompts, max_tokens=max_tokens,
-                         stream=stream, include_usage=bool(opts.get("include_usage")),
+                         stream=stream, include_usage=bool((opts or {}).get("include_usage")),
                          priority=priority, cache_salt=salt)
 
 

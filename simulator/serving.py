@@ -23,6 +23,8 @@ from simulator.openai_api import (
     EngineRequest,
     bad,
     full_response,
+    invalid,
+    not_found_model,
     parse_request,
     stream_chunk,
     usage,
@@ -64,11 +66,12 @@ async def unless_gone(work: Awaitable[Any], receive: Receive) -> None:
 
 
 async def json_body(request: Request) -> Any:
-    """The request's JSON (400 when it is not JSON)."""
+    """The request's JSON (400 when it is not JSON, located as vLLM locates it: `body.<pos>`)."""
+    raw = await request.body()
     try:
-        return orjson.loads(await request.body())
-    except orjson.JSONDecodeError:
-        raise bad("the request body is not valid JSON") from None
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"body.{exc.pos}", "json_invalid", "JSON decode error", {}) from None
 
 
 async def json_object(request: Request) -> dict[str, Any]:
@@ -93,23 +96,19 @@ class CompletionService:
         self.pd = pd  # prefill/decode disaggregation (simulator/pd.py); None: aggregated
         cfg = runner.engine.config
         self.max_model_len = cfg.max_model_len
-        self.priority_ok = cfg.scheduling_policy == "priority"
         self._ids = itertools.count()
 
     async def handle(self, request: Request, *, chat: bool) -> Response:
         body = await json_body(request)
-        req = parse_request(body, self.tok, chat=chat)
+        req = parse_request(body, self.tok, chat=chat, max_model_len=self.max_model_len)
         leg = self.pd.leg(body, len(req.prompts)) if self.pd is not None else None
         if leg is not None and leg.kind.endswith("prefill"):
             req.max_tokens = 1  # a P leg runs the prefill and one token
         lora = self.runner.engine.lora
         adapter = req.model if lora is not None and req.model in lora.registered else None
         if req.model is not None and req.model != self.model_name and adapter is None:
-            raise ApiError(404, f"The model `{req.model}` does not exist.", "model")
-        if req.priority != 0 and not self.priority_ok:
-            raise bad("Priority scheduling is not enabled.", "priority")
-        for prompt in req.prompts:
-            self._check_length(len(prompt), req.max_tokens)
+            raise not_found_model(req.model, self.model_name)
+        req.max_tokens = self._check_length(max(len(p) for p in req.prompts), req.max_tokens)
         fault = self.faults.take()
         if fault is not None and fault.mode in ("error_503", "error_500"):
             status = 503 if fault.mode == "error_503" else 500
@@ -176,13 +175,23 @@ class CompletionService:
             await self.pd.sglang_prefill_done(leg)
         return params
 
-    def _check_length(self, prompt_len: int, max_tokens: int | None) -> None:
-        total = prompt_len + (max_tokens or 1)
-        if total > self.max_model_len:
-            raise bad(f"This model's maximum context length is {self.max_model_len} tokens. "
-                      f"However, you requested {total} tokens ({prompt_len} in the messages, "
-                      f"{max_tokens or 0} in the completion). Please reduce the length of the "
-                      "messages or completion.", "input_tokens")
+    def _check_length(self, prompt_len: int, max_tokens: int | None) -> int | None:
+        """The output budget, as vLLM sets it: the prompt must fit the context (else 400), and
+        max_tokens is cut to what the context has left after it. Unset, vLLM's budget is all
+        of that; the simulator's output length model stands in for the EOS a model samples."""
+        limit = self.max_model_len
+        if prompt_len > limit:
+            seen = limit + 1  # vLLM counts no further than one past the limit
+            raise bad(f"This model's maximum context length is {limit} tokens. However, your "
+                      f"prompt contains at least {seen} input tokens, which exceeds this limit "
+                      "even without any output tokens. Please reduce the length of the input "
+                      f"prompt. (parameter=input_tokens, value={seen})", "input_tokens")
+        left = limit - prompt_len
+        budget = left if max_tokens is None else min(max_tokens, left)
+        if budget < 1:
+            raise bad(f"max_tokens must be at least 1, got {budget}. (parameter=max_tokens, "
+                      f"value={budget})", "max_tokens")
+        return None if max_tokens is None else budget
 
     def _usage(self, seqs: list[Sequence]) -> dict[str, Any]:
         return usage(sum(s.prompt_len for s in seqs), sum(len(s.output) for s in seqs),

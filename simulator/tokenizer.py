@@ -36,10 +36,12 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> str: ...
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[Any] | None = None) -> str: ...
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[Any] | None = None) -> list[int]:
         """A chat's prompt ids: its rendering, tokenized as the engine tokenizes chats."""
         ...
 
@@ -62,10 +64,15 @@ def render_content(content: Any) -> str:
     raise ValueError("message content must be a string, a list of parts or null")
 
 
-def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                  tools: Sequence[Any] | None = None) -> str:
     """ChatML as Qwen2.5's template renders it: `<|im_start|>role\\ncontent<|im_end|>\\n` per
     message, then the generation prompt `<|im_start|>assistant\\n`; `developer` renders as
     `system`.
+
+    A request's `tools` go into the system message, after its content (a leading system message
+    is folded in), as Qwen2.5 renders them: a tools header, one JSON definition a line inside
+    `<tools>`, how to call one (`tools_block`; the wording is the project's, the shape Qwen's).
 
     An assistant's `tool_calls` follow its content, one `\\n<tool_call>\\n{"name": ...,
     "arguments": ...}\\n</tool_call>` each (arguments parsed from their JSON string, as vLLM
@@ -77,7 +84,15 @@ def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: 
     """
     out = []
     last = len(messages) - 1
+    skip = -1
+    if tools:
+        first = messages[0] if messages else None
+        lead = isinstance(first, Mapping) and first.get("role") in ("system", "developer")
+        out.append(tools_block(render_content(first.get("content")) if lead else None, tools))
+        skip = 0 if lead else -1
     for i, m in enumerate(messages):
+        if i == skip:
+            continue
         role = str(m.get("role", "user"))
         role = "system" if role == "developer" else role
         content = render_content(m.get("content"))
@@ -100,6 +115,15 @@ def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: 
     return "".join(out)
 
 
+def tools_block(system: str | None, tools: Sequence[Any]) -> str:
+    """The system message that holds a request's tool definitions (after `system`'s text)."""
+    head = f"{IM_START}system\n" + (f"{system}\n\n" if system is not None else "")
+    lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return (f"{head}# Tools\n\nYou may call functions. Their signatures:\n<tools>{lines}\n"
+            f'</tools>\n\nCall one as <tool_call>{{"name": ..., "arguments": ...}}</tool_call>.'
+            f"{IM_END}\n")
+
+
 def _tool_call_json(call: Any) -> str:
     """Qwen2.5's `{"name": "<name>", "arguments": <arguments | tojson>}` for one tool call."""
     call = _parsed_call(call)
@@ -120,12 +144,13 @@ class _FillerVocab:
         raise NotImplementedError
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> str:
-        return render_chatml(messages, add_generation_prompt)
+                    add_generation_prompt: bool = True, tools: Sequence[Any] | None = None) -> str:
+        return render_chatml(messages, add_generation_prompt, tools)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[Any] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
     @property
     def filler_ids(self) -> Sequence[int]:
@@ -251,16 +276,17 @@ class TokenizerJson(_FillerVocab):
         return ids
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True, tools: Sequence[Any] | None = None) -> str:
         if self._template is None:
-            return render_chatml(messages, add_generation_prompt)
-        return self._template.render(messages, add_generation_prompt)
+            return render_chatml(messages, add_generation_prompt, tools)
+        return self._template.render(messages, add_generation_prompt, tools)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[Any] | None = None) -> list[int]:
         if self._template is None:  # ChatML, tokenized like a completion
-            return super().encode_chat(messages, add_generation_prompt)
-        text = self._template.render(messages, add_generation_prompt)
+            return super().encode_chat(messages, add_generation_prompt, tools)
+        text = self._template.render(messages, add_generation_prompt, tools)
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return ids
 
@@ -280,20 +306,26 @@ class ChatTemplate:
         self.origin = origin
         self.special = dict(special)
         try:
-            self._template = _jinja_env().from_string(source)
+            env = _jinja_env()
+            self._template = env.from_string(source)
+            self._parts = _loops_over_content(env.parse(source))  # vLLM's "openai" format
         except jinja2.TemplateError as exc:
             raise ValueError(f"{origin}: the chat template does not compile: {exc}") from None
+        self._developer = "'developer'" in source or '"developer"' in source
 
     def render(self, messages: Sequence[Mapping[str, Any]],
-               add_generation_prompt: bool = True) -> str:
-        """The prompt text; a template that rejects the messages raises ValueError (vLLM
-        answers 400)."""
+               add_generation_prompt: bool = True, tools: Sequence[Any] | None = None) -> str:
+        """The prompt text (`tools`: the request's tool definitions, as vLLM passes them); a
+        template that rejects the messages raises ValueError (vLLM answers 400)."""
         import jinja2
 
         try:
+            engine = _engine_messages(messages, self._parts)
+            if not self._developer and any(m.get("role") == "developer" for m in engine):
+                engine = _developer_as_system(engine)
             text: str = self._template.render(
-                messages=_engine_messages(messages), add_generation_prompt=add_generation_prompt,
-                tools=None, documents=None, **self.special)
+                messages=engine, add_generation_prompt=add_generation_prompt,
+                tools=tools or None, documents=None, **self.special)
         except (jinja2.TemplateError, TypeError) as exc:
             raise ValueError(f"the chat template rejects these messages: {exc}") from None
         return text
@@ -351,14 +383,22 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _engine_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """What vLLM passes a template ("string" content format): content as one string (text
-    parts joined by newlines, media as `<type:digest>` placeholders before them), an
-    assistant's tool calls with JSON arguments parsed, a tool message's tool_call_id."""
+def _engine_messages(messages: Sequence[Mapping[str, Any]],
+                     parts: bool = False) -> list[dict[str, Any]]:
+    """What vLLM passes a template. Its "string" content format: content as one string (text
+    parts joined by newlines, media as `<type:digest>` placeholders before them); its "openai"
+    one (`parts`, a template that loops over content): a list of `{"type": "text", "text"}`
+    parts (media `{"type", "digest"}`), but a tool message's text joined. An assistant's tool
+    calls with JSON arguments parsed, a tool message's tool_call_id."""
     out: list[dict[str, Any]] = []
     for m in messages:
         role = m.get("role")
-        msg: dict[str, Any] = {"role": role, "content": _content_text(m.get("content"))}
+        content = m.get("content")
+        as_parts = parts and not (role == "tool" and all(
+            isinstance(p, str) or (isinstance(p, Mapping) and p.get("type", "text") == "text")
+            for p in (content if isinstance(content, list) else ())))
+        msg: dict[str, Any] = {"role": role, "content": _content_parts(content) if as_parts
+                               else _content_text(content)}
         calls = m.get("tool_calls")
         if role == "assistant" and isinstance(calls, list):
             msg["tool_calls"] = [_parsed_call(c) for c in calls]
@@ -389,6 +429,80 @@ def _content_text(content: Any) -> str:
             media.append(f"<{kind}:{_media_digest(part)}>")
     text = "\n".join(texts)
     return "\n".join([*media, text]) if media else text
+
+
+def _content_parts(content: Any) -> list[dict[str, Any]]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise ValueError("message content must be a string, a list of parts or null")
+    out: list[dict[str, Any]] = []
+    for p in content:
+        if isinstance(p, str) or (isinstance(p, Mapping) and p.get("type", "text") == "text"):
+            out.append({"type": "text", "text": p if isinstance(p, str) else str(p.get("text", ""))})
+        else:
+            out.append({"type": p.get("type", "") if isinstance(p, Mapping) else "",
+                        "digest": _media_digest(p)})
+    return out
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM, for a template that never names the developer role: developer messages become
+    system ones, and system messages not all first are merged, in order, into one first."""
+    msgs = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    at = [i for i, m in enumerate(msgs) if m.get("role") == "system"]
+    if at in ([], [0]):
+        return msgs
+    texts = [c if isinstance(c, str) else "\n".join(str(p.get("text", "")) for p in c)
+             for c in (msgs[i].get("content") for i in at)]
+    return [{"role": "system", "content": "\n\n".join(t for t in texts if t)},
+            *(m for m in msgs if m.get("role") != "system")]
+
+
+def _loops_over_content(ast: Any) -> bool:
+    """Whether a template iterates over a message's content (vLLM then hands it OpenAI parts):
+    a loop over `m.content` / `m['content']` where `m` runs over the messages (or a name bound
+    to them), over a bare `content` outside macros, or inside a macro over a parameter that a
+    call fills with a message's content."""
+    from jinja2 import nodes as n
+
+    def base(x: Any) -> Any:
+        while (isinstance(x, n.Filter | n.Test) and x.node is not None) or (
+                isinstance(x, n.Getitem) and isinstance(x.arg, n.Slice)):
+            x = x.node
+        return x
+
+    def named(x: Any, names: set[str]) -> bool:
+        x = base(x)
+        return isinstance(x, n.Name) and x.ctx == "load" and x.name in names
+
+    def content(x: Any, of: set[str]) -> bool:
+        x = base(x)
+        return (isinstance(x, n.Getattr) and x.attr == "content" and named(x.node, of)) or (
+            isinstance(x, n.Getitem) and isinstance(x.arg, n.Const)
+            and x.arg.value == "content" and named(x.node, of))
+
+    lists = {"messages"}
+    for _ in range(8):  # names bound to the messages, to a fixed point
+        lists |= {a.target.name for a in ast.find_all(n.Assign)
+                  if isinstance(a.target, n.Name) and named(a.node, lists)}
+    fors = list(ast.find_all(n.For))
+    items = {f.target.name for f in fors if isinstance(f.target, n.Name) and named(f.iter, lists)}
+    given: set[str] = set()
+    in_macro: set[int] = set()
+    for macro in ast.find_all(n.Macro):
+        args = [a.name for a in macro.args]
+        for call in ast.find_all(n.Call):
+            if isinstance(call.node, n.Name) and call.node.name == macro.name:
+                given |= {args[i] for i, a in enumerate(call.args[:len(args)]) if content(a, items)}
+                given |= {k.key for k in call.kwargs if k.key in args and content(k.value, items)}
+        in_macro |= {id(f) for f in macro.find_all(n.For)}
+    return any(
+        content(f.iter, items) or (isinstance(f.iter, n.Name) and (
+            f.iter.name in given if id(f) in in_macro else f.iter.name == "content"))
+        for f in fors)
 
 
 def _media_digest(part: Any) -> str:

