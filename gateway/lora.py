@@ -202,13 +202,16 @@ class ReplicaAdapters:
         return self._view
 
 
-async def refresh_models(client: ControlClient, url: str, into: ReplicaAdapters) -> bool:
-    """Read the replica's `/v1/models` into `into`; False when it did not answer with a list."""
+async def refresh_models(
+    client: ControlClient, url: str, into: ReplicaAdapters
+) -> list[dict[str, Any]] | None:
+    """Read the replica's `/v1/models` into `into`; its cards, None when it did not answer with
+    a list."""
     cards = await model_cards(client, url, timeout_s=5.0)
     if cards is None:
-        return False
+        return None
     into.set_models(*adapters_of(cards))
-    return True
+    return cards
 
 
 async def post_adapter(

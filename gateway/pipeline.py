@@ -61,7 +61,9 @@ class Pipeline:
         pool = pick_pool(snap, req, prompt.tokens)
         rec.pool, rec.prompt_tokens = pool.name, prompt.tokens
         extra: Headers = [(b"x-request-id", rec.request_id.encode("latin-1"))]
-        rec.charged, limit_headers = await self.limit(snap, tenant, req, prompt.tokens)
+        rec.charged, limit_headers = await self.limit(
+            snap, tenant, req, prompt.tokens, pool if kind.generates else None
+        )
         extra += limit_headers
         if pool.pd is not None:  # a disaggregated pool (gateway/pd.py)
             if kind.name in PD_KINDS:
@@ -93,19 +95,24 @@ class Pipeline:
 
     # --- the steps -------------------------------------------------------------------------------
     async def limit(
-        self, snap: Snapshot, tenant: Tenant, req: ParsedRequest, tokens: int
-    ) -> tuple[list[tuple[Rule, int]], Headers]:
+        self, snap: Snapshot, tenant: Tenant, req: ParsedRequest, tokens: int,
+        generating: Pool | None = None,
+    ) -> tuple[list[tuple[Rule, int]], Headers]:  # fmt: skip
         """Charge the tenant's buckets (requests, prompt estimate + max_tokens); 429 when empty.
 
-        A request that can never fit a bucket (max_tokens deeper than it) gets a 429 that says
-        so. Returns what each token bucket gave (`finish` gives back no more than that) and the
-        `x-ratelimit-*` headers.
+        A request of a kind that generates (`generating`: its pool) and sets no max_tokens is
+        charged a bound on its answer (`answer_bound`). A request that can never fit a bucket
+        (max_tokens deeper than it) gets a 429 that says so. Returns what each token bucket
+        gave (`finish` settles it on the answer's usage) and the `x-ratelimit-*` headers.
         """
         limiter = snap.limiter
         rules = tenant.rules(req.model) if limiter is not None else []
         if limiter is None or not rules:
             return [], []
-        costs = costs_for(rules, tokens, req.max_tokens)
+        unset = 0
+        if generating is not None and req.max_tokens is None:
+            unset = answer_bound(generating, tokens)
+        costs = costs_for(rules, tokens, req.max_tokens, unset)
         verdict = await limiter.acquire(tenant.name, rules, costs)
         if not verdict.allowed:
             for name in verdict.blocked:
@@ -181,6 +188,18 @@ class Pipeline:
                 if used != charged:
                     await snap.limiter.adjust(rec.tenant, rule, max(used - charged, -charged))
         self.recorder.record(snap, rec)
+
+
+def answer_bound(pool: Pool, prompt_tokens: int) -> int:
+    """What the answer of a request without max_tokens may cost: the pool's
+    `default_max_tokens`, no more than the engine's context leaves after the prompt (its
+    `max_model_len` from /v1/models); 0 when neither is known (the prompt alone is charged)."""
+    default = pool.config.default_max_tokens
+    context = pool.max_model_len()
+    room = None if context is None else max(0, context - prompt_tokens)
+    if default is None:
+        return room or 0
+    return default if room is None else min(default, room)
 
 
 def pick_pool(snap: Snapshot, req: ParsedRequest, prompt_tokens: int) -> Pool:
