@@ -22,15 +22,18 @@ class ApiError(Exception):
     TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
              503: "ServiceUnavailableError"}
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.kind = kind  # the error's `type`; None: the status's (TYPES)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
-                          "param": self.param, "code": self.status}}
+        kind = self.kind or self.TYPES.get(self.status, "Error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.status}}
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
