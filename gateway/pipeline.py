@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import orjson
@@ -28,7 +29,7 @@ from .ratelimit import headers as ratelimit_headers
 from .record import Record, Recorder
 from .router import Dispatch, Prompt, RouteInput, Routing, cache_salt
 from .snapshot import Snapshot
-from .sticky import ResponseHomes
+from .sticky import Homes
 from .tenants import Tenant, requested_priority
 from .types import Headers, Send
 
@@ -43,7 +44,7 @@ class Pipeline:
         self.gw = gateway
         self.failover = Failover(gateway)
         self.recorder = Recorder(gateway)
-        self.homes = ResponseHomes()  # /v1/responses: which replica made each response
+        self.homes = Homes(lambda: gateway.fleet)  # /v1/responses: which replica made each
         self.lora = LoraPlacement()  # managed LoRA placement (pools.<p>.lora.manage)
         self.lora.register(gateway.metrics.registry)
         self.pd = PdFlow(gateway, self.failover, self.recorder)  # disaggregated pools
@@ -74,7 +75,9 @@ class Pipeline:
                 )  # fmt: skip
             pool = pool.pd.decode  # nothing to disaggregate (embeddings, tokenize): the decode set
         routing = await self.route(snap, pool, req, prompt, route_input(rec, headers, tenant), rec)
-        home = self.homes.home(req.body.get("previous_response_id"), pool.name) if kind.sticky else None
+        home = None
+        if kind.sticky:  # the replica holding the response this one continues, any gateway's
+            home = await self.homes.home(req.body.get("previous_response_id"), pool)
         first = await self.admit(snap, pool, tenant, routing, rec, home)
         if pool.config.lora.manage:  # the adapter loaded on the pick before it gets the request
             await self.lora.ensure(self.gw.session, pool, first.replica, req.model)
@@ -85,13 +88,22 @@ class Pipeline:
         out = Outbound(
             snap.router, pool, req, routing, body, upstream_headers(pool, rec, ctype), extra,
             snap.config.server.expose_upstream_errors, snap.config.server.max_answer_bytes_in_flight,
-            kind,
+            kind, self.learner(pool) if kind.sticky else None,
         )  # fmt: skip
         sent = await self.failover.forward(out, first, send, rec.sent)
         if sent.error is not None:
             raise sent.error
-        if sent.answer_id is not None and sent.status == 200:
-            self.homes.learn(sent.answer_id, pool.name, sent.replica)
+
+    def learner(self, pool: Pool) -> Callable[[str, str], Awaitable[None]]:
+        """How a sticky answer's id is learned: its home (the replica that made it, in `pool`),
+        for this gateway and the fleet."""
+
+        async def learn(answer_id: str, replica: str) -> None:
+            made = pool.by_name.get(replica)
+            if made is not None:
+                await self.homes.learn(answer_id, pool, made)
+
+        return learn
 
     # --- the steps -------------------------------------------------------------------------------
     async def limit(
