@@ -173,6 +173,13 @@ class ReplicaAdapters:
         self._view = None
         return state in ("free", "evict", "busy")
 
+    def unplaced(self, adapter: str) -> None:
+        """A dispatch of `adapter` here was given up (its managed load failed): it is not the
+        adapter sent here last, and its share of the demand goes."""
+        self.recent.pop(adapter, None)
+        self.demand.pop(adapter, None)
+        self._view = None
+
     def finished(self, adapter: str) -> None:
         n = self.own.get(adapter, 0)
         if n <= 0:

@@ -79,8 +79,11 @@ class Pipeline:
         if kind.sticky:  # the replica holding the response this one continues, any gateway's
             home = await self.homes.home(req.body.get("previous_response_id"), pool)
         first = await self.admit(snap, pool, tenant, routing, rec, home)
-        if pool.config.lora.manage:  # the adapter loaded on the pick before it gets the request
-            await self.lora.ensure(self.gw.session, pool, first.replica, req.model)
+        if pool.config.lora.manage:  # the adapter loaded on the pick (or the next) first
+            first = await self.lora.place(
+                self.gw.session, snap.router, pool, routing, first,
+                snap.config.server.expose_upstream_errors,
+            )  # fmt: skip
         if explained(snap, headers):
             extra.append(decision_header(routing))
         body = upstream_body(snap, req, rec.priority, tenant.cache_salt, kind.fields)

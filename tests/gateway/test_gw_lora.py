@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -199,3 +200,78 @@ def test_manage_needs_the_adapters_it_places() -> None:
     cfg = {"pools": {"chat": {"replicas": ["http://10.0.0.1:8000"], "lora": {"manage": True}}}}
     with pytest.raises(ConfigError, match="adapters: required with manage: true"):
         parse_config(cfg)
+
+
+def _missing(fleet: Fleet, i: int, *paths: str) -> None:
+    """Replica i cannot find these adapter paths: a load of one is vLLM's 404 NotFoundError."""
+    lora = fleet.replicas[i].engine.lora
+    assert lora is not None
+    lora.config = replace(lora.config, missing=paths)
+
+
+def _held(fleet: Fleet, adapter: str) -> list[int]:
+    return [i for i, r in enumerate(fleet.replicas) if adapter in r.engine.lora.registered]  # type: ignore[union-attr]
+
+
+def _received(fleet: Fleet) -> int:
+    return sum(r.engine.counters.requests_received for r in fleet.replicas)
+
+
+async def test_a_failed_managed_load_moves_to_the_next_placement() -> None:
+    lora = LoraConfig((), max_loras=2, runtime_updating=True)
+    async with Fleet(n=3, speedup=1000.0, lora=lora) as fleet:
+        _missing(fleet, 0, "/adapters/sql")  # round robin's first pick lacks the adapter's files
+        cfg = _pool(fleet, manage=True, adapters={"sql": "/adapters/sql"})
+        cfg["pools"]["chat"]["policy"] = "round_robin"
+        async with _gateway(cfg) as (app, served):
+            replicas = app.gateway.all_replicas()
+            await poll_until(lambda: all(r.lora.base for r in replicas))
+            status, body = await _complete(served.url, "sql")
+            assert status == 200, body  # not replica 0's 404
+            assert body["model"] == "sql" and _held(fleet, "sql") == [1]
+            assert fleet.replicas[0].engine.counters.requests_received == 0
+            placement = app.pipeline.lora
+            assert (placement.loads, placement.load_failures) == (1, 1)
+            for _ in range(3):  # where it is loaded now
+                assert (await _complete(served.url, "sql"))[0] == 200
+            assert fleet.replicas[1].engine.counters.requests_received == 4
+            async with aiohttp.ClientSession() as h, h.get(served.url + "/metrics") as res:
+                text = await res.text()
+            assert "gateway_lora_managed_load_failures_total 1.0" in text
+
+
+async def test_when_every_placement_fails_the_client_gets_one_clear_error() -> None:
+    lora = LoraConfig((), max_loras=2, runtime_updating=True)
+    async with Fleet(n=3, speedup=1000.0, lora=lora) as fleet:
+        for i in range(3):  # no replica has the adapter's files
+            _missing(fleet, i, "/adapters/ghost")
+        cfg = _pool(fleet, manage=True, adapters={"ghost": "/adapters/ghost"})
+        async with _gateway(cfg) as (app, served):
+            replicas = app.gateway.all_replicas()
+            await poll_until(lambda: all(r.lora.base for r in replicas))
+            for _ in range(2):  # each request: one answer, ours, and no replica saw it
+                status, body = await _complete(served.url, "ghost")
+                assert status == 404, body
+                err = body["error"]
+                assert (err["type"], err["code"], err["param"]) == (
+                    "not_found_error", "model_not_found", "model")
+                assert "ghost" in err["message"] and "could not be loaded" in err["message"]
+                assert "/adapters" not in err["message"]  # the operator's paths stay private
+            assert _received(fleet) == 0 and _held(fleet, "ghost") == []
+            assert app.pipeline.lora.load_failures == 6  # 1 + retries (2) placements each
+            async with aiohttp.ClientSession() as h, h.get(served.url + "/metrics") as res:
+                text = await res.text()
+            assert 'gateway_requests_total{model="ghost",pool="chat",priority="interactive",replica="none",status="404",tenant="anonymous"} 2.0' in text
+
+    # loads that fail for the replicas' reasons (no runtime routes here): a 502 that says so
+    async with Fleet(n=2, speedup=1000.0, lora=LoraConfig((), max_loras=2)) as fleet:
+        cfg = _pool(fleet, manage=True, adapters={"sql": "/adapters/sql"})
+        async with _gateway(cfg) as (app, served):
+            replicas = app.gateway.all_replicas()
+            await poll_until(lambda: all(r.lora.base for r in replicas))
+            status, body = await _complete(served.url, "sql")
+            assert status == 502, body
+            assert body["error"]["code"] == "bad_gateway"
+            assert "runtime LoRA" in body["error"]["message"]
+            assert _received(fleet) == 0
+
