@@ -181,7 +181,7 @@ class ReplicaState:
             hit_blocks=hit_blocks,
             ttft_ewma_s=self.ttft_ewma_s,
             placed_blocks=self.placed_blocks + self.peer_placed_blocks,
-            lora=lora.view() if (lora := self.lora).served or lora.managed else None,
+            lora=lora.view() if (lora := self.lora).enabled else None,
             tier_load_rates=self.tier_load.rates,  # kept fresh by each scrape, not stale-gated
         )
 
@@ -347,7 +347,7 @@ class ReplicaMonitor:
     async def refresh_models(self) -> None:
         """The replica's `/v1/models`: its LoRA adapters and its context (`max_model_len`)."""
         r = self.replica
-        cards = await refresh_models(self.client, r.url, r.lora)
+        cards = await refresh_models(self.client, r.url, r.lora, r.lora_max)
         if cards is not None:
             r.max_model_len = context_length(cards)
 
