@@ -170,13 +170,14 @@ class LoraPlacement:
     # --- the calls ------------------------------------------------------------------------
     async def place(
         self, client: ControlClient, router: Router, pool: Pool, routing: Routing, first: Dispatch,
-        expose: bool = False,
+        expose: bool = False, released: Callable[[], None] | None = None,
     ) -> Dispatch:  # fmt: skip
         """Where the request goes: `first` once its adapter is loaded there (or needs no load);
         after a failed load the next replica of the policy's ranking that may take it, up to
         `retries` more. Raises `placement_error` when every placement failed (each failed
-        dispatch given up: counted nowhere). The decision's ranking then starts at the placement
-        and holds no replica whose load failed (failover's candidates)."""
+        dispatch given up: counted nowhere, its slot freed, `released` told). The decision's
+        ranking then starts at the placement and holds no replica whose load failed (failover's
+        candidates)."""
         model = routing.routed.model
         decision = routing.decision
         assert decision is not None
@@ -189,6 +190,8 @@ class LoraPlacement:
             failures.append(failure)
             await current.abandoned()
             current.done()
+            if released is not None:
+                released()
             nxt = None
             if len(failures) <= pool.config.retries:
                 failed = {f.replica for f in failures}

@@ -83,6 +83,7 @@ class Pipeline:
             first = await self.lora.place(
                 self.gw.session, snap.router, pool, routing, first,
                 snap.config.server.expose_upstream_errors,
+                lambda: self.gw.notify_capacity(pool.name),  # a failed placement's slot is free
             )  # fmt: skip
         if explained(snap, headers):
             extra.append(decision_header(routing))

@@ -59,6 +59,8 @@ async def by_id(
     """Forward one by-id request to the response's home replica and relay its answer."""
     rid = response_id(rec.path)
     rec.priority = tenant.priority
+    req = kind.parse(raw, headers.get(b"content-type"))
+    rec.charged, extra = await pipeline.limit(snap, tenant, req, 0)  # every lookup counts
     found = await pipeline.homes.locate(rid, snap.pools)
     if found is None:
         raise NotFound(
@@ -68,8 +70,6 @@ async def by_id(
         )  # fmt: skip
     pool, replica = found
     rec.pool = pool.name
-    req = kind.parse(raw, headers.get(b"content-type"))
-    rec.charged, extra = await pipeline.limit(snap, tenant, req, 0)
     extra.append((b"x-request-id", rec.request_id.encode("latin-1")))
     fwd = rec.sent
     fwd.path, fwd.method = rec.path.encode("latin-1"), kind.method
