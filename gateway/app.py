@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hmac
 import importlib.resources
@@ -46,6 +47,9 @@ from .kinds import PATHS, passthrough_kind
 from .openapi import openapi_document
 from .pipeline import Pipeline
 from .reload import ConfigReloader
+from .response_ids import KINDS as BY_ID
+from .response_ids import PREFIX as RESPONSE_IDS
+from .response_ids import by_id, response_route
 from .runtime import Gateway
 from .status import status_of
 from .tracing import Tracing
@@ -134,6 +138,10 @@ class GatewayApp:
         self.pipeline = pipeline = Pipeline(gateway)
         self._proxy = {path: ProxyEndpoint(pipeline, kind, self.bodies) for path, kind in PATHS.items()}
         self._passthrough: dict[tuple[str, str], ProxyEndpoint] = {}
+        run = functools.partial(by_id, pipeline)  # /v1/responses/{id}: to the response's replica
+        self._by_id = {
+            name: ProxyEndpoint(pipeline, kind, self.bodies, run) for name, kind in BY_ID.items()
+        }
 
     def passthrough(self, scope: Scope) -> ProxyEndpoint | None:
         """The endpoint of a `passthrough:` path (GET or POST), read per request (reloads)."""
@@ -155,8 +163,12 @@ class GatewayApp:
             await self.rest(scope, receive, send)
             return
         endpoint = self._proxy.get(scope["path"]) if scope["method"] == "POST" else None
-        if endpoint is None and self.gateway.config.passthrough:
-            endpoint = self.passthrough(scope)
+        if endpoint is None:
+            path = scope["path"]
+            if path.startswith(RESPONSE_IDS):
+                endpoint = self._by_id.get(response_route(scope["method"], path) or "")
+            elif self.gateway.config.passthrough:
+                endpoint = self.passthrough(scope)
         slots = self.gateway.config.server.max_connections
         if slots is not None and self.inflight >= slots:
             busy = ServerBusy(
@@ -346,6 +358,8 @@ def create_app(
             Route("/openapi.json", openapi_json, methods=["GET"]),
             # served by GatewayApp; here so that another method gets a 405
             *(Route(path, health, methods=["POST"]) for path in PATHS),
+            Route(RESPONSE_IDS + "{response_id}", health, methods=["GET", "DELETE"]),
+            Route(RESPONSE_IDS + "{response_id}/cancel", health, methods=["POST"]),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,

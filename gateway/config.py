@@ -170,7 +170,7 @@ class Config(BaseModel):
 
 
 _GATEWAY_PATHS = ("/health", "/ready", "/metrics", "/version", "/dashboard", "/openapi.json")
-_GATEWAY_PREFIXES = ("/v1/models", "/admin/", "/debug/")
+_GATEWAY_PREFIXES = ("/v1/models", "/admin/", "/debug/", "/v1/responses/")
 
 
 def passthrough_problem(path: str) -> str | None:

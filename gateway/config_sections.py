@@ -180,6 +180,9 @@ class PoolConfig(_Strict):
     retries: int = Field(2, ge=0, le=10)
     capacity_blocks: int | None = Field(None, ge=1)
     upstream_api_key: SecretStr | None = None
+    # tokens-per-minute limits: what a request that sets no max_tokens is charged for its
+    # answer (None: the engine's context less the prompt, from its /v1/models max_model_len)
+    default_max_tokens: int | None = Field(None, ge=1, le=10_000_000)
     lora: LoraConfig = LoraConfig()
     protocol: Literal["vllm-nixl", "sglang"] | None = None  # P/D: two sets (config_pd.py)
     prefill: PdSetConfig | None = None

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from contextlib import nullcontext
+from typing import Protocol
 
 from . import delays
 from .budgets import BodyBudget
@@ -197,11 +198,25 @@ class _Watch:
             self.watcher.cancel()
 
 
+class Run(Protocol):
+    """What runs a request once its key is checked and its body read (`Pipeline.handle`)."""
+
+    async def __call__(
+        self, snap: Snapshot, kind: EndpointKind, raw: bytes, headers: RawHeaders, tenant: Tenant,
+        send: Send, rec: Record, /,
+    ) -> None: ...  # fmt: skip
+
+
 class ProxyEndpoint:
-    def __init__(self, pipeline: Pipeline, kind: EndpointKind, bodies: BodyBudget) -> None:
+    def __init__(
+        self, pipeline: Pipeline, kind: EndpointKind, bodies: BodyBudget, run: Run | None = None
+    ) -> None:
+        """`run`: what serves the request once its body is read; the pipeline's steps unless
+        given (`/v1/responses/{id}`'s by-id forward)."""
         self.pipeline = pipeline
         self.kind = kind
         self.bodies = bodies
+        self.run: Run = pipeline.handle if run is None else run
         self._watching: delays.FixedDelay | None = None  # the loop's WATCH_AFTER_S deadlines
 
     async def refuse(self, send: Send, exc: GatewayError) -> None:
@@ -278,7 +293,7 @@ class ProxyEndpoint:
         error: GatewayError | None = None
         writer = body_writer()
         try:
-            await pipeline.handle(snap, self.kind, raw, headers, tenant, tracked_send, rec)
+            await self.run(snap, self.kind, raw, headers, tenant, tracked_send, rec)
         except GatewayError as exc:
             error = exc
             if not _answered(started, writer):

@@ -10,6 +10,7 @@ replica, the policy and the index exactly once (`Dispatch`).
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,9 @@ class Outbound:
     expose_errors: bool  # server.expose_upstream_errors
     answers_cap: int | None  # server.max_answer_bytes_in_flight
     kind: EndpointKind  # the endpoint's row: upstream path and method, stream tap, usage
+    # a sticky kind's answer id and the replica that made it, learned before the client can
+    # send a follow-up (a whole answer before it is sent, a stream at its first chunk)
+    learn: Callable[[str, str], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -161,23 +165,45 @@ class Failover:
             return
         usage: Any
         row = out.kind
+        learn = out.learn
         if out.req.stream:
             tap = row.tap(strip_usage=not out.req.include_usage)
-            broke = await relay_stream(opened, send, out.extra, tap, live=self.gw.live_streams)
+            early = None if learn is None else _learn_early(tap, fwd, learn)
+            broke = await relay_stream(
+                opened, send, out.extra, tap, early, live=self.gw.live_streams
+            )
             fwd.t_last = time.perf_counter_ns()
             if broke is not None:
                 fwd.outcome, fwd.error_type = "broken_mid_stream", broke.type
             usage = tap.usage
-            fwd.answer_id = getattr(tap, "answer_id", None)
+            learned, fwd.answer_id = fwd.answer_id, getattr(tap, "answer_id", None)
+            if learn is not None and learned is None and fwd.answer_id is not None:
+                await learn(fwd.answer_id, fwd.replica)  # its id came after the first chunk
         else:
-            await send_whole(opened, send, out.extra)
-            fwd.t_last = time.perf_counter_ns()
-            usage = row.usage(opened.parsed) if opened.parsed is not None else None
             if row.sticky and opened.parsed is not None:
                 rid = opened.parsed.get("id")
                 fwd.answer_id = rid if isinstance(rid, str) else None
+                if learn is not None and fwd.answer_id is not None:
+                    await learn(fwd.answer_id, fwd.replica)
+            await send_whole(opened, send, out.extra)
+            fwd.t_last = time.perf_counter_ns()
+            usage = row.usage(opened.parsed) if opened.parsed is not None else None
         if isinstance(usage, dict):
             fwd.input_tokens, fwd.output_tokens, fwd.cached_tokens = row.counts(usage)
+
+
+def _learn_early(
+    tap: Any, fwd: Forwarded, learn: Callable[[str, str], Awaitable[None]]
+) -> Callable[[], Awaitable[None]]:
+    """What runs once a sticky stream's first chunk is on its way: its answer id (the
+    `response.created` event) learned, before the client can continue it."""
+
+    async def early() -> None:
+        fwd.answer_id = getattr(tap, "answer_id", None)
+        if fwd.answer_id is not None:
+            await learn(fwd.answer_id, fwd.replica)
+
+    return early
 
 
 def _all_failed(

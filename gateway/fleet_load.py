@@ -96,6 +96,7 @@ class FleetLoad:
     ) -> None:
         fc = config.fleet
         self.gateway_id = fc.gateway_id or default_gateway_id()
+        self.name = fc.name
         self.key = KEY % fc.name
         self.interval_s = fc.publish_interval_ms / 1000.0
         # pushes between ticks (gateway/fleet_push.py); None: the tick alone

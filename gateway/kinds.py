@@ -55,6 +55,7 @@ class EndpointKind:
     json_answer: bool = True  # a 200 must be a JSON object (else the replica is broken: retry)
     client_content_type: bool = False  # forward the client's content-type (not application/json)
     sticky: bool = False  # answers' ids are remembered (previous_response_id)
+    generates: bool = False  # it writes an answer of up to max_tokens (what token limits charge)
 
 
 # --- prompts ------------------------------------------------------------------------------------
@@ -178,15 +179,16 @@ def _audio(name: str, path: str) -> EndpointKind:
 
 def _rows() -> list[tuple[str, EndpointKind]]:
     chat = EndpointKind("chat", b"/v1/chat/completions", lambda raw, c: parse_body("chat", raw),
-                        chat_prompt, usage_field, generation_counts, GENERATIVE_FIELDS)  # fmt: skip
+                        chat_prompt, usage_field, generation_counts, GENERATIVE_FIELDS,
+                        generates=True)  # fmt: skip
     completions = EndpointKind(
         "completions", b"/v1/completions", lambda raw, c: parse_body("completions", raw),
-        completion_prompt, usage_field, generation_counts, GENERATIVE_FIELDS,
+        completion_prompt, usage_field, generation_counts, GENERATIVE_FIELDS, generates=True,
     )  # fmt: skip
     responses = EndpointKind(
         "responses", b"/v1/responses", lambda raw, c: bodies.parse_responses(raw),
         responses_prompt, usage_field, generation_counts, GENERATIVE_FIELDS, tap=ResponsesTap,
-        sticky=True,
+        sticky=True, generates=True,
     )  # fmt: skip
     rows = [chat, completions, responses,
             _pooling("embeddings", "/v1/embeddings", bodies.check_embeddings, input_prompt),

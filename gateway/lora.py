@@ -4,6 +4,12 @@ Three sources, per replica:
 - `/v1/models` (refreshed every `refresh_s`): the adapters it serves are the cards with a
   `parent`; the cards without one are its base models. A replica none of whose cards has a
   parent is not LoRA-enabled: it gets no `LoraView` and routing treats it as before.
+  SGLang (cards `owned_by: "sglang"`) lists its adapters so only in recent versions; otherwise
+  they are its `/get_server_info`'s `lora_paths` (`sglang_adapters`: a list of LoRARef dicts
+  `{lora_id, lora_name, lora_path, pinned}`, or in older versions `{name: path}` or
+  `name=path` strings), and its GPU slots `max_loras_per_batch` less the one a batch keeps for
+  the base model. Its OpenAI API names an adapter `<base model>:<adapter>` (`model:
+  "llama:sql"`), so an SGLang replica serves each adapter under both names.
 - `vllm:lora_requests_info` in each `/metrics` scrape. Its value is the Unix time of the
   gauge's last update and every label set it ever had lingers as its own series, so only the
   series with the largest value is read. Its `running_lora_adapters` and
@@ -24,7 +30,7 @@ from typing import Any
 from policies.scorers.lora import adapter_state
 from policies.types import LoraView
 
-from .control_client import CONTROL_ERRORS, ControlClient, fetch, model_cards
+from .control_client import CONTROL_ERRORS, ControlClient, fetch, get_json, model_cards
 
 LORA_INFO = "vllm:lora_requests_info"
 LoraInfo = tuple[frozenset[str], int | None]  # (adapters with requests in flight, max_lora)
@@ -40,6 +46,47 @@ def adapters_of(cards: Iterable[Mapping[str, Any]]) -> tuple[frozenset[str], fro
     for card in cards:
         (adapters if isinstance(card.get("parent"), str) else base).add(card["id"])
     return frozenset(adapters), frozenset(base)
+
+
+def is_sglang(cards: Iterable[Mapping[str, Any]]) -> bool:
+    """SGLang writes its name into every card's `owned_by` (vLLM writes "vllm")."""
+    return any(card.get("owned_by") == "sglang" for card in cards)
+
+
+def sglang_adapters(info: Any) -> tuple[frozenset[str], int | None] | None:
+    """(adapter names, GPU adapter slots) from SGLang's `/get_server_info`; None when LoRA is
+    off there (`enable_lora` false and no `lora_paths`) or the answer is not SGLang's."""
+    if not isinstance(info, Mapping):
+        return None
+    paths = info.get("lora_paths")
+    names: set[str] = set()
+    if isinstance(paths, Mapping):  # older: {name: path}
+        names.update(k for k in paths if isinstance(k, str) and k)
+    elif isinstance(paths, list):
+        for item in paths:
+            if isinstance(item, Mapping):  # LoRARef, as dataclasses.asdict writes it
+                name = item.get("lora_name") or item.get("name")
+            elif isinstance(item, str):  # `--lora-paths name=path`, or a bare path (its own name)
+                name = item.partition("=")[0]
+            else:
+                name = None
+            if isinstance(name, str) and name:
+                names.add(name)
+    if not names and info.get("enable_lora") is not True:
+        return None
+    per_batch = info.get("max_loras_per_batch")
+    slots = None
+    if isinstance(per_batch, int) and not isinstance(per_batch, bool) and per_batch >= 1:
+        slots = max(1, per_batch - 1)  # one of a batch's slots is the base model's
+    return frozenset(list(names)[:_MAX_ADAPTERS]), slots
+
+
+def sglang_names(adapters: frozenset[str], base: frozenset[str]) -> frozenset[str]:
+    """Every name a request may give an SGLang replica's adapter: its own and
+    `<base model>:<adapter>`, the form SGLang's OpenAI API reads."""
+    if not adapters:
+        return adapters
+    return adapters | {f"{b}:{a}" for b in base for a in adapters}
 
 
 def parse_lora_info(text: str) -> LoraInfo | None:
@@ -100,7 +147,7 @@ class ReplicaAdapters:
 
     __slots__ = (
         "served", "base", "loadable", "managed", "max_loras", "metric_active", "own", "recent",
-        "demand", "_view",
+        "demand", "lora_on", "_view",
     )  # fmt: skip
 
     def __init__(self, max_loras: int | None = None) -> None:
@@ -113,12 +160,13 @@ class ReplicaAdapters:
         self.own: dict[str, int] = {}  # this gateway's requests in flight, per adapter
         self.recent: OrderedDict[str, None] = OrderedDict()  # used last, newest last
         self.demand: dict[str, float] = {}  # decayed share of the requests sent here, by adapter
+        self.lora_on = False  # the engine says LoRA is on, adapters or not (SGLang's server info)
         self._view: LoraView | None = None
 
     @property
     def enabled(self) -> bool:
-        """The replica serves adapters, or may be given some."""
-        return bool(self.served or self.managed)
+        """The replica serves adapters, or may be given some, or says it runs LoRA."""
+        return bool(self.served or self.managed or self.lora_on)
 
     def is_adapter(self, model: str) -> bool:
         return model in self.served or model in self.managed
@@ -133,6 +181,18 @@ class ReplicaAdapters:
             self.served, self.base = adapters, base
             for gone in [a for a in self.recent if a not in adapters]:
                 del self.recent[gone]  # unloaded (or never loaded) by the operator
+            self._view = None
+
+    def set_lora_on(self, on: bool) -> None:
+        """The engine says it runs LoRA (or not), whether or not it holds an adapter now."""
+        if on != self.lora_on:
+            self.lora_on = on
+            self._view = None
+
+    def set_slots(self, slots: int | None) -> None:
+        """GPU adapter slots the engine reports outside the metric (SGLang's server info)."""
+        if slots is not None and slots != self.max_loras:
+            self.max_loras = slots
             self._view = None
 
     def set_metric(self, active: frozenset[str], max_lora: int | None, configured: int | None) -> None:
@@ -173,6 +233,13 @@ class ReplicaAdapters:
         self._view = None
         return state in ("free", "evict", "busy")
 
+    def unplaced(self, adapter: str) -> None:
+        """A dispatch of `adapter` here was given up (its managed load failed): it is not the
+        adapter sent here last, and its share of the demand goes."""
+        self.recent.pop(adapter, None)
+        self.demand.pop(adapter, None)
+        self._view = None
+
     def finished(self, adapter: str) -> None:
         n = self.own.get(adapter, 0)
         if n <= 0:
@@ -202,13 +269,27 @@ class ReplicaAdapters:
         return self._view
 
 
-async def refresh_models(client: ControlClient, url: str, into: ReplicaAdapters) -> bool:
-    """Read the replica's `/v1/models` into `into`; False when it did not answer with a list."""
+async def refresh_models(
+    client: ControlClient, url: str, into: ReplicaAdapters, configured: int | None = None
+) -> list[dict[str, Any]] | None:
+    """Read the replica's `/v1/models` into `into` (for SGLang also its `/get_server_info`,
+    when the cards list no adapter); its cards, None when it did not answer with a list.
+    `configured`: the pool's `lora.max_loras`, which wins over slots the engine reports."""
     cards = await model_cards(client, url, timeout_s=5.0)
     if cards is None:
-        return False
-    into.set_models(*adapters_of(cards))
-    return True
+        return None
+    adapters, base = adapters_of(cards)
+    if is_sglang(cards):
+        if not adapters:
+            info = await get_json(client, url + "/get_server_info", timeout_s=5.0)
+            found = sglang_adapters(info)
+            into.set_lora_on(found is not None)
+            if found is not None:
+                adapters, slots = found
+                into.set_slots(configured or slots)
+        adapters = sglang_names(adapters, base)
+    into.set_models(adapters, base)
+    return cards
 
 
 async def post_adapter(

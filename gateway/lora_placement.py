@@ -6,12 +6,16 @@ that allows runtime updates. Demand: its requests in flight in the pool (this on
 `requests_per_replica`, at least one replica and at most `max_replicas_per_adapter`; one more
 when every replica holding it has all its GPU adapter slots busy with other adapters. The policy
 then picks among them as usual (a load is priced in seconds like any other). When the pick does
-not serve the adapter yet, `ensure` loads it there first (`POST /v1/load_lora_adapter`
-`{lora_name, lora_path}`; vLLM needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING`). A replica that answers
-404 or 405 has no runtime routes and is not offered loads again. An adapter the gateway loaded
-that has had no request for `idle_unload_s` is unloaded (`POST /v1/unload_lora_adapter`),
-checked on traffic at most every quarter of that. The decisions are synchronous and take a
-clock, so the benchmark drives the same code in simulated time.
+not serve the adapter yet, `place` loads it there first (`POST /v1/load_lora_adapter`
+`{lora_name, lora_path}`; vLLM needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING`). A load that fails moves
+the request to the next replica of the policy's ranking, up to the pool's `retries` more; when
+every placement failed the request gets one error of the gateway's, never a replica's answer to
+a request it could not serve (`placement_error`: 404 `model_not_found` when no replica tried
+could find the adapter, 503 when they did not answer, else 502). A replica that answers 404 or
+405 without vLLM's `NotFoundError` has no runtime routes and is not offered loads again. An
+adapter the gateway loaded that has had no request for `idle_unload_s` is unloaded (`POST
+/v1/unload_lora_adapter`), checked on traffic at most every quarter of that. The decisions are
+synchronous and take a clock, so the benchmark drives the same code in simulated time.
 """
 
 from __future__ import annotations
@@ -21,18 +25,76 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .control_client import ControlClient
+from .errors import GatewayError, NoReplicaAvailable, NotFound, UpstreamError
 from .lora import post_adapter
 from .pools import Pool
 from .replicas import ReplicaState
+from .router import Dispatch, Router, Routing
 
 log = logging.getLogger("gateway.lora")
 LOAD_PATH, UNLOAD_PATH = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 _NONE: frozenset[str] = frozenset()
+NOT_FOUND, NO_RUNTIME, UNAVAILABLE, FAILED = "not_found", "no_runtime", "unavailable", "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFailure:
+    """A managed load a replica did not do: its status (0: no answer) and body (or error)."""
+
+    replica: str
+    status: int
+    text: str
+
+    @property
+    def kind(self) -> str:
+        """not_found: the replica cannot find the adapter (vLLM's 404 `NotFoundError`, "No
+        adapter found"); no_runtime: no load route (404/405 of the server itself); unavailable:
+        no answer, or a 502/503/504; failed: any other answer (a 400: a bad adapter, a 500)."""
+        status, text = self.status, self.text
+        if status in (0, 502, 503, 504):
+            return UNAVAILABLE
+        if status == 404 and ("No adapter found" in text or "NotFoundError" in text):
+            return NOT_FOUND
+        return NO_RUNTIME if status in (404, 405) else FAILED
+
+    def why(self) -> str:
+        return f"{self.replica}: {self.status or 'no answer'} {self.text[:200]}".strip()
+
+
+def placement_error(
+    model: str, failures: list[LoadFailure], expose: bool, retry_after: float
+) -> GatewayError:
+    """The one answer for a request whose adapter no placement could load: 404
+    `model_not_found` when no replica tried could find the adapter, 503 (Retry-After) when none
+    that could have answered did, else 502, saying why. The replicas' own words (which name the
+    adapter's path) only with `expose` (server.expose_upstream_errors)."""
+    n = len(failures)
+    tried = f"the {n} replica{'s' if n != 1 else ''} tried"
+    name = model[:64]
+    detail = (" (" + "; ".join(f.why() for f in failures) + ")") if expose else ""
+    kinds = {f.kind for f in failures}
+    if kinds == {NOT_FOUND}:
+        return NotFound(
+            f"The model `{name}` does not exist: its LoRA adapter could not be loaded, "
+            f"{tried} found no such adapter{detail}.", param="model", code="model_not_found",
+        )  # fmt: skip
+    if kinds <= {NOT_FOUND, UNAVAILABLE}:
+        return NoReplicaAvailable(
+            f"The LoRA adapter `{name}` could not be loaded: {tried} did not answer the load; "
+            f"retry later{detail}.", retry_after=retry_after,
+        )  # fmt: skip
+    why = (
+        "they do not allow runtime LoRA loading (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)"
+        if kinds == {NO_RUNTIME}
+        else "the replicas refused or failed the load"
+    )
+    return UpstreamError(f"The LoRA adapter `{name}` could not be loaded on {tried}: {why}{detail}.")
 
 
 class LoraPlacement:
@@ -40,8 +102,8 @@ class LoraPlacement:
         self.clock = clock
         self.loaded: dict[tuple[str, str], float] = {}  # (replica, adapter) it loaded -> last use
         self.no_runtime: set[str] = set()  # replicas without the runtime routes
-        self.loads = self.unloads = 0
-        self._loading: dict[tuple[str, str], asyncio.Task[bool]] = {}
+        self.loads = self.unloads = self.load_failures = 0
+        self._loading: dict[tuple[str, str], asyncio.Task[LoadFailure | None]] = {}
         self._swept = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -106,13 +168,56 @@ class LoraPlacement:
         self.unloads += 1
 
     # --- the calls ------------------------------------------------------------------------
-    async def ensure(self, client: ControlClient, pool: Pool, replica: ReplicaState, model: str) -> bool:
+    async def place(
+        self, client: ControlClient, router: Router, pool: Pool, routing: Routing, first: Dispatch,
+        expose: bool = False, released: Callable[[], None] | None = None,
+    ) -> Dispatch:  # fmt: skip
+        """Where the request goes: `first` once its adapter is loaded there (or needs no load);
+        after a failed load the next replica of the policy's ranking that may take it, up to
+        `retries` more. Raises `placement_error` when every placement failed (each failed
+        dispatch given up: counted nowhere, its slot freed, `released` told). The decision's
+        ranking then starts at the placement and holds no replica whose load failed (failover's
+        candidates)."""
+        model = routing.routed.model
+        decision = routing.decision
+        assert decision is not None
+        failures: list[LoadFailure] = []
+        current = first
+        while True:
+            failure = await self.ensure(client, pool, current.replica, model)
+            if failure is None:
+                break
+            failures.append(failure)
+            await current.abandoned()
+            current.done()
+            if released is not None:
+                released()
+            nxt = None
+            if len(failures) <= pool.config.retries:
+                failed = {f.replica for f in failures}
+                nxt = next((n for n in decision.ranked if n not in failed and self._may_load(
+                    pool.by_name[n], model)), None)  # fmt: skip
+            if nxt is None:
+                raise placement_error(model, failures, expose, pool.config.health.interval_s)
+            current = await router.dispatch(pool, routing, nxt)
+        if failures:
+            failed = {f.replica for f in failures}
+            name = current.replica.name
+            decision.ranked[:] = [name, *(n for n in decision.ranked if n != name and n not in failed)]
+        return current
+
+    def _may_load(self, replica: ReplicaState, model: str) -> bool:
+        return model in replica.lora.served or replica.name not in self.no_runtime
+
+    async def ensure(
+        self, client: ControlClient, pool: Pool, replica: ReplicaState, model: str
+    ) -> LoadFailure | None:
         """Load `model` on `replica` when it must be (one call per replica and adapter at a
-        time); False when the load failed (the request goes on, and the replica's answer says)."""
+        time); the failure when the load failed, else None."""
         self._maybe_sweep(client, pool)
         path = self.needs_load(pool, replica, model)
         if path is None:
-            return True
+            return None
         key = (replica.name, model)
         task = self._loading.get(key)
         if task is None:
@@ -123,7 +228,7 @@ class LoraPlacement:
 
     async def _load(
         self, client: ControlClient, pool: Pool, replica: ReplicaState, model: str, path: str
-    ) -> bool:
+    ) -> LoadFailure | None:
         status, text = await post_adapter(
             client, replica.url, LOAD_PATH, {"lora_name": model, "lora_path": path},
             pool.config.lora.load_timeout_s,
@@ -131,12 +236,14 @@ class LoraPlacement:
         if status == 200 or (status == 400 and "already been loaded" in text):
             self.did_load(replica, model)
             log.info("replica %s: loaded LoRA adapter %s", replica.name, model)
-            return True
-        if status in (404, 405):
+            return None
+        failure = LoadFailure(replica.name, status, text)
+        if failure.kind == NO_RUNTIME:
             self.no_runtime.add(replica.name)
+        self.load_failures += 1
         log.warning("replica %s: loading LoRA adapter %s failed (%s %s)", replica.name, model,
                     status or "no answer", text[:200])  # fmt: skip
-        return False
+        return failure
 
     def _maybe_sweep(self, client: ControlClient, pool: Pool) -> None:
         now = self.clock()
@@ -179,4 +286,9 @@ class _PlacementCollector(Collector):
             "gateway_lora_managed_unloads",
             "Adapters the gateway unloaded after lora.idle_unload_s without a request.",
             value=self._p.unloads,
+        )
+        yield CounterMetricFamily(
+            "gateway_lora_managed_load_failures",
+            "Managed adapter loads a replica did not do (the request moved to the next placement).",
+            value=self._p.load_failures,
         )

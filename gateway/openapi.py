@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .openai import MAX_DEPTH, MAX_TOKEN_ID, MAX_TOKENS_CAP
-from .openapi_kinds import kind_paths, request_schemas
+from .openapi_kinds import kind_paths, request_schemas, response_id_paths
 from .version import gateway_version
 
 __all__ = ["openapi_document"]
@@ -22,7 +22,9 @@ _ERROR_STATUSES = {
     "400": "Malformed body, wrong types or missing fields (`param` names the field).",
     "401": "Missing or unknown API key.",
     "403": "The tenant may not use the requested priority class.",
-    "404": "No route matches the model (`/v1/models/{model_id}`: no replica serves it).",
+    "404": "No route matches the model (`/v1/models/{model_id}`: no replica serves it; "
+    "`/v1/responses/{response_id}`: no gateway knows the response, or its replica no longer "
+    "holds it).",
     "413": "The body is larger than `server.max_body_bytes`.",
     "429": "Rate limited or shed by admission control (`Retry-After`).",
     "502": "The replicas failed.",
@@ -79,6 +81,8 @@ def _errors(*statuses: str) -> dict[str, Any]:
 
 
 _PROXY_ERRORS = ("400", "401", "403", "404", "413", "429", "502", "503", "504")
+# by response id: the replica's own 4xx (400: cancelling a finished response), the gateway's 404
+_BY_ID_ERRORS = ("400", "401", "404", "413", "429", "502", "503", "504")
 
 
 def _sampling_fields() -> dict[str, Any]:
@@ -291,6 +295,7 @@ def openapi_document(
                 "Text completion, routed to a replica", "CompletionRequest", "completions", classes
             ),
             **kind_paths(_headers(classes), _errors(*_PROXY_ERRORS), _ref("Answer")),
+            **response_id_paths(_errors(*_BY_ID_ERRORS), _ref("Answer")),
             "/v1/models": {
                 "get": {
                     "operationId": "models",

@@ -116,3 +116,32 @@ def kind_paths(
                                   "content": content}, **errors},
         }}  # fmt: skip
     return out
+
+
+_RESPONSE_ID = {
+    "name": "response_id", "in": "path", "required": True,
+    "description": "A response's id, as `/v1/responses` answered it (`resp_...`).",
+    "schema": {"type": "string", "minLength": 1, "maxLength": 256, "pattern": "^[^/]+$"},
+}  # fmt: skip
+
+
+def response_id_paths(errors: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """`GET`/`DELETE /v1/responses/{response_id}`, `POST .../cancel`: sent to the replica that
+    made the response (gateway/response_ids.py) and relayed as it answers."""
+
+    def op(op_id: str, summary: str) -> dict[str, Any]:
+        return {
+            "operationId": op_id, "summary": summary, "parameters": [_RESPONSE_ID],
+            "responses": {"200": {"description": "The replica's answer, relayed unchanged.",
+                                  "content": {"application/json": {"schema": answer}}}, **errors},
+        }  # fmt: skip
+
+    return {
+        "/v1/responses/{response_id}": {
+            "get": op("response_retrieve", "A stored response, from the replica that made it"),
+            "delete": op("response_delete", "Delete a stored response on the replica that made it"),
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": op("response_cancel", "Cancel a response on the replica that made it"),
+        },
+    }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import orjson
@@ -28,7 +29,7 @@ from .ratelimit import headers as ratelimit_headers
 from .record import Record, Recorder
 from .router import Dispatch, Prompt, RouteInput, Routing, cache_salt
 from .snapshot import Snapshot
-from .sticky import ResponseHomes
+from .sticky import Homes
 from .tenants import Tenant, requested_priority
 from .types import Headers, Send
 
@@ -43,7 +44,7 @@ class Pipeline:
         self.gw = gateway
         self.failover = Failover(gateway)
         self.recorder = Recorder(gateway)
-        self.homes = ResponseHomes()  # /v1/responses: which replica made each response
+        self.homes = Homes(lambda: gateway.fleet)  # /v1/responses: which replica made each
         self.lora = LoraPlacement()  # managed LoRA placement (pools.<p>.lora.manage)
         self.lora.register(gateway.metrics.registry)
         self.pd = PdFlow(gateway, self.failover, self.recorder)  # disaggregated pools
@@ -61,7 +62,9 @@ class Pipeline:
         pool = pick_pool(snap, req, prompt.tokens)
         rec.pool, rec.prompt_tokens = pool.name, prompt.tokens
         extra: Headers = [(b"x-request-id", rec.request_id.encode("latin-1"))]
-        rec.charged, limit_headers = await self.limit(snap, tenant, req, prompt.tokens)
+        rec.charged, limit_headers = await self.limit(
+            snap, tenant, req, prompt.tokens, pool if kind.generates else None
+        )
         extra += limit_headers
         if pool.pd is not None:  # a disaggregated pool (gateway/pd.py)
             if kind.name in PD_KINDS:
@@ -72,10 +75,16 @@ class Pipeline:
                 )  # fmt: skip
             pool = pool.pd.decode  # nothing to disaggregate (embeddings, tokenize): the decode set
         routing = await self.route(snap, pool, req, prompt, route_input(rec, headers, tenant), rec)
-        home = self.homes.home(req.body.get("previous_response_id"), pool.name) if kind.sticky else None
+        home = None
+        if kind.sticky:  # the replica holding the response this one continues, any gateway's
+            home = await self.homes.home(req.body.get("previous_response_id"), pool)
         first = await self.admit(snap, pool, tenant, routing, rec, home)
-        if pool.config.lora.manage:  # the adapter loaded on the pick before it gets the request
-            await self.lora.ensure(self.gw.session, pool, first.replica, req.model)
+        if pool.config.lora.manage:  # the adapter loaded on the pick (or the next) first
+            first = await self.lora.place(
+                self.gw.session, snap.router, pool, routing, first,
+                snap.config.server.expose_upstream_errors,
+                lambda: self.gw.notify_capacity(pool.name),  # a failed placement's slot is free
+            )  # fmt: skip
         if explained(snap, headers):
             extra.append(decision_header(routing))
         body = upstream_body(snap, req, rec.priority, tenant.cache_salt, kind.fields)
@@ -83,29 +92,43 @@ class Pipeline:
         out = Outbound(
             snap.router, pool, req, routing, body, upstream_headers(pool, rec, ctype), extra,
             snap.config.server.expose_upstream_errors, snap.config.server.max_answer_bytes_in_flight,
-            kind,
+            kind, self.learner(pool) if kind.sticky else None,
         )  # fmt: skip
         sent = await self.failover.forward(out, first, send, rec.sent)
         if sent.error is not None:
             raise sent.error
-        if sent.answer_id is not None and sent.status == 200:
-            self.homes.learn(sent.answer_id, pool.name, sent.replica)
+
+    def learner(self, pool: Pool) -> Callable[[str, str], Awaitable[None]]:
+        """How a sticky answer's id is learned: its home (the replica that made it, in `pool`),
+        for this gateway and the fleet."""
+
+        async def learn(answer_id: str, replica: str) -> None:
+            made = pool.by_name.get(replica)
+            if made is not None:
+                await self.homes.learn(answer_id, pool, made)
+
+        return learn
 
     # --- the steps -------------------------------------------------------------------------------
     async def limit(
-        self, snap: Snapshot, tenant: Tenant, req: ParsedRequest, tokens: int
-    ) -> tuple[list[tuple[Rule, int]], Headers]:
+        self, snap: Snapshot, tenant: Tenant, req: ParsedRequest, tokens: int,
+        generating: Pool | None = None,
+    ) -> tuple[list[tuple[Rule, int]], Headers]:  # fmt: skip
         """Charge the tenant's buckets (requests, prompt estimate + max_tokens); 429 when empty.
 
-        A request that can never fit a bucket (max_tokens deeper than it) gets a 429 that says
-        so. Returns what each token bucket gave (`finish` gives back no more than that) and the
-        `x-ratelimit-*` headers.
+        A request of a kind that generates (`generating`: its pool) and sets no max_tokens is
+        charged a bound on its answer (`answer_bound`). A request that can never fit a bucket
+        (max_tokens deeper than it) gets a 429 that says so. Returns what each token bucket
+        gave (`finish` settles it on the answer's usage) and the `x-ratelimit-*` headers.
         """
         limiter = snap.limiter
         rules = tenant.rules(req.model) if limiter is not None else []
         if limiter is None or not rules:
             return [], []
-        costs = costs_for(rules, tokens, req.max_tokens)
+        unset = 0
+        if generating is not None and req.max_tokens is None:
+            unset = answer_bound(generating, tokens)
+        costs = costs_for(rules, tokens, req.max_tokens, unset)
         verdict = await limiter.acquire(tenant.name, rules, costs)
         if not verdict.allowed:
             for name in verdict.blocked:
@@ -181,6 +204,18 @@ class Pipeline:
                 if used != charged:
                     await snap.limiter.adjust(rec.tenant, rule, max(used - charged, -charged))
         self.recorder.record(snap, rec)
+
+
+def answer_bound(pool: Pool, prompt_tokens: int) -> int:
+    """What the answer of a request without max_tokens may cost: the pool's
+    `default_max_tokens`, no more than the engine's context leaves after the prompt (its
+    `max_model_len` from /v1/models); 0 when neither is known (the prompt alone is charged)."""
+    default = pool.config.default_max_tokens
+    context = pool.max_model_len()
+    room = None if context is None else max(0, context - prompt_tokens)
+    if default is None:
+        return room or 0
+    return default if room is None else min(default, room)
 
 
 def pick_pool(snap: Snapshot, req: ParsedRequest, prompt_tokens: int) -> Pool:

@@ -48,6 +48,15 @@ class Pool:
         now = time.monotonic()
         return any(r.available(now) for r in self.replicas)
 
+    def max_model_len(self) -> int | None:
+        """The longest context its replicas' engines report (None: none reported one yet)."""
+        best = None
+        for r in self.replicas:
+            n = r.max_model_len
+            if n is not None and (best is None or n > best):
+                best = n
+        return best
+
     def parts(self) -> tuple[Pool, ...]:
         """The pools whose settings its replicas run under: itself, or a P/D pool's two sets."""
         return (self,) if self.pd is None else (self.pd.prefill, self.pd.decode)

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from policies.types import ReplicaView
 
@@ -89,6 +90,7 @@ class ReplicaState:
     engine_started: float | None = None  # its process's start time, as last scraped
     ttft_ewma_s: float | None = None
     served_models: frozenset[str] = frozenset()  # from the replica's /v1/models
+    max_model_len: int | None = None  # the engine's context, from its /v1/models cards
     lora: ReplicaAdapters = field(default_factory=ReplicaAdapters)  # its LoRA adapters
     lora_max: int | None = None  # pools.<p>.lora.max_loras (None: the metric's)
     on_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
@@ -183,7 +185,7 @@ class ReplicaState:
             hit_blocks=hit_blocks,
             ttft_ewma_s=self.ttft_ewma_s,
             placed_blocks=self.placed_blocks + self.peer_placed_blocks,
-            lora=lora.view() if (lora := self.lora).served or lora.managed else None,
+            lora=lora.view() if (lora := self.lora).enabled else None,
             tier_load_rates=self.tier_load.rates,  # kept fresh by each scrape, not stale-gated
         )
 
@@ -358,7 +360,24 @@ class ReplicaMonitor:
         while True:
             if self.replica.scrapes_here():  # with shared load, one gateway of the fleet does
                 await self.scrape_once()
-            if time.monotonic() >= models_at:  # its adapters (/v1/models), every refresh_s
+            if time.monotonic() >= models_at:  # /v1/models: adapters and context, every refresh_s
                 models_at = time.monotonic() + self.models_refresh_s
-                await refresh_models(self.client, self.replica.url, self.replica.lora)
+                await self.refresh_models()
             await asyncio.sleep(self.scrape.interval_s)
+
+    async def refresh_models(self) -> None:
+        """The replica's `/v1/models`: its LoRA adapters and its context (`max_model_len`)."""
+        r = self.replica
+        cards = await refresh_models(self.client, r.url, r.lora, r.lora_max)
+        if cards is not None:
+            r.max_model_len = context_length(cards)
+
+
+def context_length(cards: list[dict[str, Any]]) -> int | None:
+    """The longest context the `/v1/models` cards report (vLLM and SGLang: `max_model_len` on
+    each base model's card; an adapter's is null: it runs in its parent's)."""
+    lens = [
+        n for c in cards
+        if isinstance(n := c.get("max_model_len"), int) and not isinstance(n, bool) and n > 0
+    ]  # fmt: skip
+    return max(lens) if lens else None

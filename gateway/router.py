@@ -306,6 +306,18 @@ class Dispatch:
         kv = self.replica.engine_kv
         fwd.engine_block = kv[0] if kv is not None else None
 
+    async def abandoned(self) -> None:
+        """The request does not go to this replica after all (managed placement could not load
+        its adapter there): the blocks recorded at dispatch go again, the adapter's placement is
+        taken back, and neither the replica's breaker nor the policy hears of it. `done` still
+        releases the in-flight count."""
+        if self._settled:
+            return
+        self._settled = True
+        if self.adapter_load is not None:
+            self.replica.lora.unplaced(self.routed.model)
+        await self._unrecord()
+
     def tier_tokens(self) -> dict[str, int] | None:
         """Tokens this dispatch expects to load per lower tier (the view's `tier_hits`)."""
         tiers = self.view.tier_hits

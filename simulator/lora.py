@@ -44,6 +44,7 @@ class LoraConfig:
     load_s: float = 0.25  # disk -> GPU
     cpu_load_s: float = 0.01  # CPU cache -> GPU
     runtime_updating: bool = False  # the load/unload routes exist
+    missing: tuple[str, ...] = ()  # adapter paths this replica cannot find (a load: vLLM's 404)
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -84,11 +85,14 @@ class LoraState:
             self.registered.setdefault(name, adapter_path(name))
 
     # -- registration (the runtime routes) --------------------------------------------------
-    def register(self, name: str, path: str) -> str | None:
-        """Load an adapter by name: None on success, else vLLM's 400 message."""
+    def register(self, name: str, path: str) -> tuple[int, str] | None:
+        """Load an adapter by name: None on success, else vLLM's (status, message): 400 for a
+        name already loaded, 404 for a path it cannot find (`LoraConfig.missing`)."""
         if name in self.registered:
-            return (f"The lora adapter '{name}' has already been loaded. If you want to load "
-                    "the adapter in place, set 'load_inplace' to True.")
+            return 400, (f"The lora adapter '{name}' has already been loaded. If you want to "
+                         "load the adapter in place, set 'load_inplace' to True.")
+        if path in self.config.missing:
+            return 404, f"Loading lora {name} failed: No adapter found for {path}"
         self.registered[name] = path
         return None
 

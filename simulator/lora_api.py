@@ -3,7 +3,9 @@
 `POST /v1/load_lora_adapter` `{lora_name, lora_path}` and `POST /v1/unload_lora_adapter`
 `{lora_name}` exist only with `LoraConfig.runtime_updating` (vLLM: the routes exist only under
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING`). Success is a plain-text 200, as in vLLM; a duplicate load
-is a 400, an unknown unload a 404 (simulator/lora.py has the slot model).
+is a 400, a path the replica cannot find (`LoraConfig.missing`) vLLM's 404 `NotFoundError`
+(`Loading lora <name> failed: No adapter found for <path>`), an unknown unload a 404
+(simulator/lora.py has the slot model).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def lora_routes(lora: LoraState | None) -> list[Route]:
             raise bad("Both 'lora_name' and 'lora_path' must be provided.")
         problem = lora.register(name, path)
         if problem is not None:
-            raise bad(problem)
+            raise ApiError(*problem)
         return Response(f"Success: LoRA adapter '{name}' added successfully",
                         media_type="text/plain; charset=utf-8")
 

@@ -28,10 +28,11 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.kind = kind or self.TYPES.get(status, "Error")
+        self.kind = kind  # the error's `type`; None: the status's (TYPES)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+        kind = self.kind or self.TYPES.get(self.status, "Error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
                           "code": self.status}}
 
 

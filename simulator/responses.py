@@ -7,7 +7,12 @@ when `max_output_tokens` cut it), no `[DONE]`.
 
 Responses are stored (bounded, per replica) so that `previous_response_id` continues one: its
 conversation goes between the instructions and the new input; an id this replica does not hold is
-a 404, as vLLM answers.
+a 404, as vLLM answers. A stored response is also served by id, as vLLM serves it:
+`GET /v1/responses/{id}` (the Response object), `POST /v1/responses/{id}/cancel` (a 400 "Cannot
+cancel a synchronous response." for a finished one: nothing here runs in the background), and
+`DELETE /v1/responses/{id}` in OpenAI's shape (`{"id", "object": "response.deleted", "deleted":
+true}`; vLLM itself has no DELETE route and answers 405). An unknown id is vLLM's 404
+`Response with id '...' not found.` (`invalid_request_error`).
 """
 
 from __future__ import annotations
@@ -79,7 +84,8 @@ class ResponsesService:
 
     def __init__(self, service: CompletionService) -> None:
         self.service = service
-        self.stored: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        # response id -> (its conversation for a follow-up, the Response object)
+        self.stored: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
 
     async def handle(self, request: Request) -> Response:
         svc = self.service
@@ -91,11 +97,11 @@ class ResponsesService:
         messages = [{"role": "system", "content": instructions}] if instructions else []
         prev_id = body.get("previous_response_id")
         if prev_id is not None:
-            history = self.stored.get(prev_id) if isinstance(prev_id, str) else None
-            if history is None:
+            held = self.stored.get(prev_id) if isinstance(prev_id, str) else None
+            if held is None:
                 raise ApiError(404, f"Response with id '{prev_id}' not found.",
                                "previous_response_id")
-            messages += history
+            messages += held[0]
         if not isinstance(body.get("input"), str | list):
             raise bad("input must be a string or a list of items", "input")
         messages += input_messages(body.get("input"))
@@ -142,9 +148,29 @@ class ResponsesService:
     def _store(self, answer: _Answer, history: list[dict[str, Any]]) -> None:
         if answer.reason is None:
             return
-        self.stored[answer.id] = [*history, {"role": "assistant", "content": "".join(answer.text)}]
+        talk = [*history, {"role": "assistant", "content": "".join(answer.text)}]
+        self.stored[answer.id] = (talk, answer.response())
         while len(self.stored) > MAX_STORED:
             self.stored.popitem(last=False)
+
+    def _held(self, request: Request) -> tuple[str, dict[str, Any]]:
+        rid = request.path_params["response_id"]
+        held = self.stored.get(rid)
+        if held is None:
+            raise ApiError(404, f"Response with id '{rid}' not found.", kind="invalid_request_error")
+        return rid, held[1]
+
+    async def retrieve(self, request: Request) -> Response:
+        return _json(self._held(request)[1])
+
+    async def cancel(self, request: Request) -> Response:
+        self._held(request)  # nothing runs in the background: every stored one has finished
+        raise ApiError(400, "Cannot cancel a synchronous response.", kind="invalid_request_error")
+
+    async def delete(self, request: Request) -> Response:
+        rid, _ = self._held(request)
+        del self.stored[rid]
+        return _json({"id": rid, "object": "response.deleted", "deleted": True})
 
     async def _stream(self, a: _Answer, events: asyncio.Queue[tuple[int, str | None]],
                       history: list[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -178,6 +204,10 @@ class ResponsesService:
         finally:
             if not a.seq.finished:
                 self.service.runner.abort(a.seq)
+
+
+def _json(obj: Any) -> Response:
+    return Response(orjson.dumps(obj), media_type="application/json")
 
 
 class _Answer:

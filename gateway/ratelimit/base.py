@@ -72,10 +72,24 @@ class RateLimitConfig(BaseModel):
     redis_url: str = "redis://127.0.0.1:6379/0"
 
 
-def costs_for(rules: Sequence[Rule], prompt_tokens: int, max_tokens: int | None) -> list[float]:
-    """Requests cost 1; tokens cost the prompt estimate plus max_tokens (0 when unset)."""
-    tokens = float(prompt_tokens + (max_tokens or 0))
-    return [1.0 if r.unit == "requests" else tokens for r in rules]
+def costs_for(
+    rules: Sequence[Rule], prompt_tokens: int, max_tokens: int | None, unset: int = 0
+) -> list[float]:
+    """Requests cost 1; tokens cost the prompt estimate plus max_tokens.
+
+    Without max_tokens, the answer is charged `unset` (the caller's bound on it: the engine's
+    context less the prompt, or the pool's default), but never past a bucket's depth: such a
+    request waits for a full bucket rather than being refused as one that can never fit (its
+    prompt alone still can be). The answer's usage settles the charge either way.
+    """
+    if max_tokens is not None or not unset:
+        tokens = float(prompt_tokens + (max_tokens or 0))
+        return [1.0 if r.unit == "requests" else tokens for r in rules]
+    out = []
+    for r in rules:
+        room = max(0, int(r.burst) - prompt_tokens)
+        out.append(1.0 if r.unit == "requests" else float(prompt_tokens + min(unset, room)))
+    return out
 
 
 def rule_state(rule: Rule, level: float) -> RuleState:

@@ -26,6 +26,8 @@ def test_document_is_served_and_lists_the_public_endpoints(gw: GatewayProc) -> N
         "/v1/chat/completions",
         "/v1/completions",
         *PATHS,  # every proxied endpoint kind (gateway/kinds.py)
+        "/v1/responses/{response_id}",  # by id, to the replica that made it
+        "/v1/responses/{response_id}/cancel",
         "/v1/models",
         "/v1/models/{model_id}",
         "/version",

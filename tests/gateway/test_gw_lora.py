@@ -10,17 +10,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from gateway import create_app, parse_config
 from gateway.config import ConfigError
-from gateway.lora import ReplicaAdapters, adapters_of, parse_lora_info, unserved
+from gateway.lora import (
+    ReplicaAdapters,
+    adapters_of,
+    parse_lora_info,
+    sglang_adapters,
+    sglang_names,
+    unserved,
+)
 from gateway.lora_placement import LoraPlacement
 from gateway.runtime import Gateway
 from simulator.fleet import Fleet
+from simulator.harness import lifespan_done, read_body
 from simulator.lora import LoraConfig
 from tests.support import Served, poll_until, start_server
 
@@ -199,3 +209,172 @@ def test_manage_needs_the_adapters_it_places() -> None:
     cfg = {"pools": {"chat": {"replicas": ["http://10.0.0.1:8000"], "lora": {"manage": True}}}}
     with pytest.raises(ConfigError, match="adapters: required with manage: true"):
         parse_config(cfg)
+
+
+def _missing(fleet: Fleet, i: int, *paths: str) -> None:
+    """Replica i cannot find these adapter paths: a load of one is vLLM's 404 NotFoundError."""
+    lora = fleet.replicas[i].engine.lora
+    assert lora is not None
+    lora.config = replace(lora.config, missing=paths)
+
+
+def _held(fleet: Fleet, adapter: str) -> list[int]:
+    return [i for i, r in enumerate(fleet.replicas) if adapter in r.engine.lora.registered]  # type: ignore[union-attr]
+
+
+def _received(fleet: Fleet) -> int:
+    return sum(r.engine.counters.requests_received for r in fleet.replicas)
+
+
+async def test_a_failed_managed_load_moves_to_the_next_placement() -> None:
+    lora = LoraConfig((), max_loras=2, runtime_updating=True)
+    async with Fleet(n=3, speedup=1000.0, lora=lora) as fleet:
+        _missing(fleet, 0, "/adapters/sql")  # round robin's first pick lacks the adapter's files
+        cfg = _pool(fleet, manage=True, adapters={"sql": "/adapters/sql"})
+        cfg["pools"]["chat"]["policy"] = "round_robin"
+        async with _gateway(cfg) as (app, served):
+            replicas = app.gateway.all_replicas()
+            await poll_until(lambda: all(r.lora.base for r in replicas))
+            status, body = await _complete(served.url, "sql")
+            assert status == 200, body  # not replica 0's 404
+            assert body["model"] == "sql" and _held(fleet, "sql") == [1]
+            assert fleet.replicas[0].engine.counters.requests_received == 0
+            placement = app.pipeline.lora
+            assert (placement.loads, placement.load_failures) == (1, 1)
+            for _ in range(3):  # where it is loaded now
+                assert (await _complete(served.url, "sql"))[0] == 200
+            assert fleet.replicas[1].engine.counters.requests_received == 4
+            async with aiohttp.ClientSession() as h, h.get(served.url + "/metrics") as res:
+                text = await res.text()
+            assert "gateway_lora_managed_load_failures_total 1.0" in text
+
+
+async def test_when_every_placement_fails_the_client_gets_one_clear_error() -> None:
+    lora = LoraConfig((), max_loras=2, runtime_updating=True)
+    async with Fleet(n=3, speedup=1000.0, lora=lora) as fleet:
+        for i in range(3):  # no replica has the adapter's files
+            _missing(fleet, i, "/adapters/ghost")
+        cfg = _pool(fleet, manage=True, adapters={"ghost": "/adapters/ghost"})
+        async with _gateway(cfg) as (app, served):
+            replicas = app.gateway.all_replicas()
+            await poll_until(lambda: all(r.lora.base for r in replicas))
+            for _ in range(2):  # each request: one answer, ours, and no replica saw it
+                status, body = await _complete(served.url, "ghost")
+                assert status == 404, body
+                err = body["error"]
+                assert (err["type"], err["code"], err["param"]) == (
+                    "not_found_error", "model_not_found", "model")
+                assert "ghost" in err["message"] and "could not be loaded" in err["message"]
+                assert "/adapters" not in err["message"]  # the operator's paths stay private
+            assert _received(fleet) == 0 and _held(fleet, "ghost") == []
+            assert app.pipeline.lora.load_failures == 6  # 1 + retries (2) placements each
+            async with aiohttp.ClientSession() as h, h.get(served.url + "/metrics") as res:
+                text = await res.text()
+            assert 'gateway_requests_total{model="ghost",pool="chat",priority="interactive",replica="none",status="404",tenant="anonymous"} 2.0' in text
+
+    # loads that fail for the replicas' reasons (no runtime routes here): a 502 that says so
+    async with Fleet(n=2, speedup=1000.0, lora=LoraConfig((), max_loras=2)) as fleet:
+        cfg = _pool(fleet, manage=True, adapters={"sql": "/adapters/sql"})
+        async with _gateway(cfg) as (app, served):
+            replicas = app.gateway.all_replicas()
+            await poll_until(lambda: all(r.lora.base for r in replicas))
+            status, body = await _complete(served.url, "sql")
+            assert status == 502, body
+            assert body["error"]["code"] == "bad_gateway"
+            assert "runtime LoRA" in body["error"]["message"]
+            assert _received(fleet) == 0
+
+
+@dataclass
+class SglangReplica:
+    """An SGLang server as the gateway sees it (a handler on a real socket): `/v1/models` cards
+    `owned_by: "sglang"` that list no adapter (SGLang before it added them there), the adapters
+    in `/get_server_info`'s `lora_paths` (`form`: `refs`, the LoRARef dicts of today's
+    `dataclasses.asdict(server_args)`; `dict`, older `{name: path}`), `max_loras_per_batch`, and
+    completions that answer for the model they were sent (SGLang's `base:adapter` included)."""
+
+    adapters: list[str]
+    form: str = "refs"
+    served: list[str] = field(default_factory=list)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if await lifespan_done(scope, receive, send):
+            return
+        path = scope["path"]
+        if path == "/v1/models":
+            card = {"id": BASE, "object": "model", "created": 0, "owned_by": "sglang",
+                    "root": BASE, "parent": None, "max_model_len": 32768}
+            return await _answer(send, 200, {"object": "list", "data": [card]})
+        if path == "/get_server_info":
+            paths: Any = [{"lora_id": f"{i:032x}", "lora_name": a, "lora_path": f"/lora/{a}",
+                           "pinned": False} for i, a in enumerate(self.adapters)]
+            if self.form == "dict":
+                paths = {a: f"/lora/{a}" for a in self.adapters}
+            return await _answer(send, 200, {"model_path": BASE, "enable_lora": True,
+                                             "lora_paths": paths, "max_loras_per_batch": 4,
+                                             "version": "0.5.0"})
+        if path == "/v1/completions":
+            model = orjson.loads(await read_body(receive))["model"]
+            self.served.append(model)
+            return await _answer(send, 200, {
+                "id": "cmpl-1", "object": "text_completion", "model": model,
+                "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+        await _answer(send, 200 if path == "/health" else 404, {})
+
+
+async def _answer(send: Any, status: int, data: Any) -> None:
+    body = orjson.dumps(data)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_sglang_server_info_names_its_adapters_in_each_of_its_forms() -> None:
+    refs = {"enable_lora": True, "max_loras_per_batch": 3, "lora_paths": [
+        {"lora_id": "a1", "lora_name": "sql", "lora_path": "/l/sql", "pinned": True}]}
+    assert sglang_adapters(refs) == (frozenset({"sql"}), 2)  # one slot is the base model's
+    assert sglang_adapters({"lora_paths": {"sql": "/l/sql", "poet": "/l/p"}}) == (
+        frozenset({"sql", "poet"}), None)
+    assert sglang_adapters({"lora_paths": ["sql=/l/sql", "/l/poet"]}) == (
+        frozenset({"sql", "/l/poet"}), None)  # a bare path is its own name
+    assert sglang_adapters({"enable_lora": True, "lora_paths": []}) == (frozenset(), None)
+    assert sglang_adapters({"enable_lora": False, "lora_paths": None}) is None
+    assert sglang_adapters("not json") is None
+    assert sglang_names(frozenset({"sql"}), frozenset({BASE})) == {"sql", f"{BASE}:sql"}
+
+
+@pytest.mark.parametrize("form", ["refs", "dict"])
+async def test_adapters_of_sglang_replicas_are_read_from_their_server_info(form: str) -> None:
+    with_sql, without = SglangReplica(["sql", "poet"], form), SglangReplica([], form)
+    served = [await start_server(with_sql), await start_server(without)]
+    try:
+        cfg = _pool_of([s.url for s in served], policy="round_robin")
+        async with _gateway(cfg) as (app, gw):
+            r0, r1 = app.gateway.all_replicas()
+            await poll_until(lambda: r0.lora.served and r1.lora.base)
+            assert r0.lora.served >= {"sql", "poet", f"{BASE}:sql"}
+            assert r0.lora.max_loras == 3  # max_loras_per_batch 4, less the base model's
+            for model in (f"{BASE}:sql", "sql", f"{BASE}:poet") * 2:  # SGLang's name and ours
+                status, body = await _complete(gw.url, model)
+                assert status == 200 and body["model"] == model
+            assert without.served == []  # round robin, yet only the replica holding them
+            assert len(with_sql.served) == 6
+            status, body = await _complete(gw.url, f"{BASE}:nope")
+            assert status == 404 and body["error"]["code"] == "model_not_found"
+            status, _ = await _complete(gw.url, BASE)  # the base model: either replica
+            assert status == 200
+    finally:
+        for s in served:
+            await s.stop()
+
+
+def _pool_of(urls: list[str], **pool: Any) -> dict[str, Any]:
+    return {
+        "pools": {"chat": {
+            "replicas": [{"url": u, "name": f"r{i}"} for i, u in enumerate(urls)],
+            "health": {"interval_s": 0.2}, "scrape": {"interval_s": 0.1},
+            "lora": {"refresh_s": 0.2}, **pool,
+        }},
+        "tracing": {"exporter": "none"},
+    }  # fmt: skip

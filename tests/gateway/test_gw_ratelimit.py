@@ -202,6 +202,13 @@ def test_costs_and_config_defaults() -> None:
     rules = [Rule("r", 1, 1), Rule("t", 1, 1, "tokens")]
     assert costs_for(rules, 30, None) == [1.0, 30.0]
     assert costs_for(rules, 30, 70) == [1.0, 100.0]
+    # no max_tokens: the answer's bound is charged, never past a bucket's depth (then the
+    # request waits for a full bucket); a prompt deeper than the bucket still never fits
+    deep = [Rule("r", 1, 1), Rule("t", 10, 600, "tokens"), Rule("m", 1, 200, "tokens")]
+    assert costs_for(deep, 30, None, 100) == [1.0, 130.0, 130.0]
+    assert costs_for(deep, 30, None, 4000) == [1.0, 600.0, 200.0]
+    assert costs_for(deep, 300, None, 4000) == [1.0, 600.0, 300.0]
+    assert costs_for(deep, 30, 70, 4000) == [1.0, 100.0, 100.0]  # max_tokens set: as asked
     cfg = RateLimitConfig()
     assert (cfg.backend, cfg.redis_url) == ("memory", REDIS_URL)
     with pytest.raises(ValueError, match="unknown rate limit backend 'etcd'"):

@@ -81,6 +81,26 @@ async def test_responses_reuse_the_engines_prefix_cache_and_chain(url: str) -> N
     assert gone.status_code == 404 and "resp_nope" in gone.json()["error"]["message"]
 
 
+async def test_a_stored_response_is_retrieved_cancelled_and_deleted_by_id(url: str) -> None:
+    first = (await post(url, "/v1/responses", {"input": "Hi", "max_output_tokens": 3})).json()
+    rid = first["id"]
+    async with httpx.AsyncClient(timeout=10.0) as h:
+        got = await h.get(f"{url}/v1/responses/{rid}")
+        assert got.status_code == 200 and got.json() == first  # vLLM's retrieve: the Response
+        cancel = await h.post(f"{url}/v1/responses/{rid}/cancel")
+        assert cancel.status_code == 400  # vLLM: a finished synchronous response
+        assert cancel.json()["error"]["message"] == "Cannot cancel a synchronous response."
+        gone = await h.delete(f"{url}/v1/responses/{rid}")
+        assert gone.json() == {"id": rid, "object": "response.deleted", "deleted": True}
+        for res in (await h.get(f"{url}/v1/responses/{rid}"),
+                    await h.post(f"{url}/v1/responses/{rid}/cancel"),
+                    await h.delete(f"{url}/v1/responses/{rid}")):
+            assert res.status_code == 404
+            assert res.json()["error"] == {"message": f"Response with id '{rid}' not found.",
+                                           "type": "invalid_request_error", "param": None,
+                                           "code": 404}
+
+
 async def test_a_streamed_response_sends_vllms_events_and_no_done(url: str) -> None:
     res = await post(url, "/v1/responses", {"input": "Hi", "stream": True, "max_output_tokens": 3})
     assert res.headers["content-type"].startswith("text/event-stream")

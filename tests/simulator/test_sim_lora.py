@@ -110,6 +110,14 @@ async def test_runtime_load_and_unload_behind_the_flag() -> None:
             assert status == 400 and "has already been loaded" in text
             status, _, _ = await _post(h, url + "/v1/load_lora_adapter", {"lora_name": "x"})
             assert status == 400
+            lora_state = fleet.replicas[0].engine.lora
+            assert lora_state is not None
+            lora_state.config = LoraConfig((), runtime_updating=True, missing=("/nowhere",))
+            status, _, text = await _post(h, url + "/v1/load_lora_adapter",
+                                          {"lora_name": "gone", "lora_path": "/nowhere"})  # fmt: skip
+            assert status == 404  # vLLM's: the path holds no adapter
+            assert "Loading lora gone failed: No adapter found for /nowhere" in text
+            assert '"NotFoundError"' in text
             body = {"model": "poet", "prompt": "a rose", "max_tokens": 3}
             assert (await _post(h, url + "/v1/completions", body))[0] == 200
             status, _, text = await _post(h, url + "/v1/unload_lora_adapter", {"lora_name": "poet"})
