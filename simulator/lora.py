@@ -92,7 +92,7 @@ class LoraState:
             return 400, (f"The lora adapter '{name}' has already been loaded. If you want to "
                          "load the adapter in place, set 'load_inplace' to True.")
         if path in self.config.missing:
-            return 404, f"Loading lora {name} failed: No adapter found for {path}"
+            return 404, f"Loading lora {name} failed: No adapter found for <path>"
         self.registered[name] = path
         return None
 

@@ -3,9 +3,10 @@
 `POST /v1/load_lora_adapter` `{lora_name, lora_path}` and `POST /v1/unload_lora_adapter`
 `{lora_name}` exist only with `LoraConfig.runtime_updating` (vLLM: the routes exist only under
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING`). Success is a plain-text 200, as in vLLM; a duplicate load
-is a 400, a path the replica cannot find (`LoraConfig.missing`) vLLM's 404 `NotFoundError`
-(`Loading lora <name> failed: No adapter found for <path>`), an unknown unload a 404
-(simulator/lora.py has the slot model).
+is vLLM's 400 `InvalidUserInput`, a path the replica cannot find (`LoraConfig.missing`) vLLM's
+404 `NotFoundError` (`Loading lora <name> failed: No adapter found for <path>`: vLLM writes
+`<path>` itself, never the path), an unknown unload a 404 (simulator/lora.py has the slot
+model). The messages are vLLM 0.32's (tests/vllm_facts.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def lora_routes(lora: LoraState | None) -> list[Route]:
             raise bad("Both 'lora_name' and 'lora_path' must be provided.")
         problem = lora.register(name, path)
         if problem is not None:
-            raise ApiError(*problem)
-        return Response(f"Success: LoRA adapter '{name}' added successfully",
+            status, message = problem
+            raise ApiError(status, message, kind="InvalidUserInput" if status == 400 else None)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.",
                         media_type="text/plain; charset=utf-8")
 
     async def unload(request: Request) -> Response:
@@ -52,7 +54,7 @@ def lora_routes(lora: LoraState | None) -> list[Route]:
             raise bad("'lora_name' must be provided.")
         if not lora.unregister(name):
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.")
-        return Response(f"Success: LoRA adapter '{name}' removed successfully",
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.",
                         media_type="text/plain; charset=utf-8")
 
     return [Route("/v1/load_lora_adapter", load, methods=["POST"]),

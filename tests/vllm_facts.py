@@ -34,6 +34,7 @@ class Fact:
     message: str = ""
     param_prefix: str | None = None
     usage: dict[str, int] | None = None
+    text: str | None = None  # a 200's whole body, when it is plain text
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -119,6 +120,24 @@ async def ask(http: Any, url: str, fact: Fact) -> list[str]:
     return check(fact, r.status_code, answer)
 
 
+def lora_facts(adapter: str, missing: str) -> tuple[Fact, ...]:
+    """Runtime LoRA loading, in order (VLLM_ALLOW_RUNTIME_LORA_UPDATING): `adapter` a directory
+    holding one, `missing` a path holding none."""
+    load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+    return (
+        Fact("load a missing adapter", load, {"lora_name": "gone", "lora_path": missing}, 404,
+             NOT_FOUND, None, "Loading lora gone failed: No adapter found for"),
+        Fact("unload an adapter never loaded", unload, {"lora_name": "gone"}, 404, NOT_FOUND,
+             None, "The lora adapter 'gone' cannot be found."),
+        Fact("load an adapter", load, {"lora_name": "ad1", "lora_path": adapter}, 200,
+             text="Success: LoRA adapter 'ad1' added successfully."),
+        Fact("load it again", load, {"lora_name": "ad1", "lora_path": adapter}, 400,
+             "InvalidUserInput", None, "The lora adapter 'ad1' has already been loaded."),
+        Fact("unload it", unload, {"lora_name": "ad1"}, 200,
+             text="Success: LoRA adapter 'ad1' removed successfully."),
+    )
+
+
 def check(fact: Fact, status: int, answer: Any) -> list[str]:
     """What in (status, answer) differs from `fact`; empty when it holds."""
     problems = []
@@ -126,6 +145,8 @@ def check(fact: Fact, status: int, answer: Any) -> list[str]:
         problems.append(f"status {status}, vLLM {fact.status}: {str(answer)[:200]}")
         return problems
     if fact.status == 200:
+        if fact.text is not None and answer != fact.text:
+            problems.append(f"body {answer!r}, vLLM {fact.text!r}")
         usage = answer.get("usage") if isinstance(answer, dict) else None
         for key, want in (fact.usage or {}).items():
             if not isinstance(usage, dict) or usage.get(key) != want:

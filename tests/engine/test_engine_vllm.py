@@ -31,7 +31,7 @@ from prefix_index.chunking import TokenChunker
 from simulator import Fleet
 from tests.engine.conftest import KV_BLOCKS, Engine, gateway
 from tests.support import poll_until
-from tests.vllm_facts import FACTS, MAX_MODEL_LEN, MODEL, ask
+from tests.vllm_facts import FACTS, MAX_MODEL_LEN, MODEL, ask, lora_facts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 HELLO = [{"role": "user", "content": "hello"}]
@@ -66,9 +66,11 @@ def decision(res: httpx.Response) -> dict[str, Any]:
 
 
 # --- the record of what vLLM answers -------------------------------------------------------------
-async def test_the_record_of_vllm_answers_holds(engine: Engine) -> None:
+async def test_the_record_of_vllm_answers_holds(engine: Engine, tmp_path: Any) -> None:
+    adapter = str(lora_dir(tmp_path / "adapter"))
+    facts = (*FACTS, *lora_facts(adapter, str(tmp_path / "none")))
     async with httpx.AsyncClient(timeout=120) as http:
-        problems = {f.name: await ask(http, engine.urls[0], f) for f in FACTS}
+        problems = {f.name: await ask(http, engine.urls[1], f) for f in facts}
     assert {name: p for name, p in problems.items() if p} == {}
 
 
