@@ -47,6 +47,7 @@ class SubscriberStats:
     replayed: int = 0
     forgets: int = 0
     restarts: int = 0
+    duplicates: int = 0  # batches the replay had given already (live ones that overlapped it)
     last_seq: int | None = None
     connected: bool = False
     extra: dict[str, int] = field(default_factory=dict)
@@ -68,6 +69,7 @@ class KvEventSubscriber:
         self.ctx = zmq_context
         self.stats = SubscriberStats()
         self._task: asyncio.Task[None] | None = None
+        self._replayed_to: int | None = None  # the start-up replay's last; live batches up to it repeat
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kv-events:{self.replica}")
@@ -90,6 +92,8 @@ class KvEventSubscriber:
             # a new subscriber misses what was published before it joined: catch up from the start
             if self.replay_url is not None:
                 await self._replay(0, None)
+                # batches published while the replay ran also sit in the SUB socket: seen ones
+                self._replayed_to = self.stats.last_seq
             while True:
                 if not await sub.poll(POLL_MS):  # poll, then a non-blocking receive: no lost frames
                     continue
@@ -110,6 +114,15 @@ class KvEventSubscriber:
         seq, payload = int.from_bytes(frames[-2], "big"), frames[-1]
         self.stats.received += 1
         last = self.stats.last_seq
+        replayed, self._replayed_to = self._replayed_to, None
+        if last is not None and seq <= last and (
+            seq == last or (replayed is not None and seq <= replayed)
+        ):
+            # the replay gave it already (vLLM publishes a sequence number once; only a restart
+            # starts again from 0): a duplicate, not a restart
+            self.stats.duplicates += 1
+            self._replayed_to = replayed
+            return
         if last is not None and seq <= last:
             self.stats.restarts += 1
             log.warning(

@@ -6,6 +6,7 @@ length prefixes, so equal leading content gives equal leading blocks whatever fo
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,15 +33,17 @@ def render_chat(
     leading bytes here too. Text parts are joined by newlines (as vLLM joins them for string
     templates); an image, audio or file part becomes `<type:digest>` of its canonical JSON (the
     engine keys its KV by the media's content hash); tool calls follow the content as JSON.
-    The request's `tools` (its tool definitions) come as one block of canonical JSON after a
-    leading system message, where the common templates (Qwen, Hermes) put them, else first:
-    two requests with other tools share the system prompt and nothing after it.
+    The request's `tools` (its tool definitions) come as one block after a leading system
+    message, where the common templates (Qwen, Hermes) put them, else first: two requests with
+    other tools share the system prompt and nothing after it. Each definition is one line of
+    JSON as templates write it (`tojson`: the client's key order, `", "` and `": "`), so the
+    block has about the engine's length and the predicted share of the prompt its share.
     """
     out: list[str] = []
     if tools:
         first = messages[0] if messages else None
         at = 1 if isinstance(first, Mapping) and first.get("role") in ("system", "developer") else 0
-        block = f"{START}tools\n{_canonical(tools)}{END}"
+        block = f"{START}tools\n{_tools_json(tools)}{END}"
         for message in messages[:at]:
             _render_message(message, out)
         out.append(block)
@@ -100,6 +103,13 @@ def _render_content(content: Any, out: list[str]) -> None:
         else:
             kind = part.get("type", "") if isinstance(part, Mapping) else ""
             out.append(f"<{_text(kind)}:{media_digest(part)}>")
+
+
+def _tools_json(tools: Sequence[Any]) -> str:
+    try:
+        return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    except (TypeError, ValueError):  # not JSON-able as sent: its canonical form still hashes
+        return _canonical(tools)
 
 
 def _tool_call(call: Any) -> str:

@@ -160,3 +160,38 @@ def test_events_need_tokens_mode() -> None:
     assert info.value.problems[0].startswith(
         "index.events.enabled: KV events require chunking.mode: tokens"
     )
+
+
+async def test_live_batches_the_start_up_replay_gave_are_duplicates_not_a_restart() -> None:
+    """Seen on real vLLM: a subscriber's start-up replay and its live socket overlap, so the
+    last replayed batch arrives again live. That is a duplicate, skipped; only a sequence that
+    goes back below what the replay gave is the engine starting over."""
+    import msgspec
+
+    from gateway.kv_subscriber import KvEventSubscriber
+
+    class Applier:
+        def __init__(self) -> None:
+            self.applied: list[float] = []
+            self.resets = 0
+
+        async def apply(self, batch: Any) -> None:
+            self.applied.append(batch.ts)
+
+        async def reset(self) -> None:
+            self.resets += 1
+
+    def frames(seq: int) -> list[bytes]:
+        return [b"kv", seq.to_bytes(8, "big"), msgspec.msgpack.encode([float(seq), []])]
+
+    applier = Applier()
+    sub = KvEventSubscriber("r0", "tcp://127.0.0.1:1", None, applier, None)  # type: ignore[arg-type]
+    for seq in range(4):  # what the replay applied
+        await sub._apply(seq, frames(seq)[-1])
+    sub._replayed_to = 3
+    for seq in (2, 3, 4, 4, 5):  # live: two the replay gave, then new ones (4 twice: a repeat)
+        await sub._handle(frames(seq))
+    assert applier.applied == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and applier.resets == 0
+    assert (sub.stats.duplicates, sub.stats.restarts) == (3, 0)
+    await sub._handle(frames(0))  # the engine started over
+    assert (sub.stats.restarts, applier.resets) == (1, 1) and applier.applied[-1] == 0.0
