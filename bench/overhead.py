@@ -90,10 +90,16 @@ def traced(v: Variant, sink_url: str) -> Variant:
 
 def variants(args: argparse.Namespace, sink_url: str) -> list[Variant]:
     """The gateway rows. A telemetry on/off pair is one more entry per policy (see --tracing)."""
-    out = [policy_variant(p) for p in args.policies]
-    if args.request_log != "off":  # the request log written (to the gateway's log file)
-        logged = {"server": {"log_level": "info", "log_format": args.request_log}}
-        out += [Variant(v.name + "+log", _merge(v.overrides, logged)) for v in list(out)]
+    # as shipped, the request log is on (log_level info); --request-log sets its format, or off
+    log = (
+        {"server": {"log_level": "warning"}}
+        if args.request_log == "off"
+        else {"server": {"log_level": "info", "log_format": args.request_log}}
+    )
+    out = [Variant(v.name, _merge(v.overrides, log)) for v in map(policy_variant, args.policies)]
+    if args.log_cost and args.request_log != "off":  # the same rows with the request log off
+        off = {"server": {"log_level": "warning"}}
+        out += [Variant(v.name + "-log", _merge(v.overrides, off)) for v in list(out)]
     if args.tracing == "otlp":
         out += [traced(v, sink_url) for v in out]
     if "granian" in args.servers:  # the same app under another server, for the first policy
@@ -167,7 +173,7 @@ def gateway_config(port: int, ports: list[int], paced: list[int], v: Variant) ->
         "scrape": {"interval_s": 1},
     }
     base = {
-        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "server": {"host": "127.0.0.1", "port": port},  # log level: the variant's
         "pools": {
             "zero": {"replicas": [f"http://127.0.0.1:{p}" for p in ports], **pool},
             "paced": {"replicas": [f"http://127.0.0.1:{p}" for p in paced], **pool},
@@ -901,8 +907,8 @@ def _goals(rows: dict[tuple[str, str], Row], vs: list[Variant], res: Results) ->
             x = cpu_over(v.name, v.name.removesuffix("+otlp"))
             goal = f"traced CPU per request <= {GOAL_TRACED_X:g} x untraced"
             out.append(line(goal, x, x <= GOAL_TRACED_X))
-        if v.name.endswith("+log"):  # --request-log: a line per request against none
-            x = cpu_over(v.name, v.name.removesuffix("+log"))
+        if v.name.endswith("-log"):  # --log-cost: the row as shipped against its log-off twin
+            x = cpu_over(v.name.removesuffix("-log"), v.name)
             out.append(f"  {'CPU per request, request log on / off (x)':<58} {x:7.2f}  (measured)")
     floors = [v.name for v in vs if v.floor is not None]
     if floors:  # not goals: what the rows above are up against
@@ -954,9 +960,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--request-log",
-        choices=["off", "text", "json"],
-        default="off",
-        help="text|json: add a row per policy with the request log on (log_level info), in that format",
+        choices=["text", "json", "off"],
+        default="text",
+        help="the gateway rows' request log: text (as shipped), json, or off (log_level warning)",
+    )
+    p.add_argument(
+        "--log-cost",
+        action="store_true",
+        help="add each gateway row again with the request log off, and their CPU ratio",
     )
     p.add_argument(
         "--servers",

@@ -2,6 +2,11 @@
 
 The request log (`gateway.access`, one line per finished request, written by `Recorder.record`)
 logs an `AccessLine`: `request key=value ...` in text, its fields as the object's keys in JSON.
+It is on by default, so it is cheap: a line is a tuple of values in `ACCESS_FIELDS` order (no
+dict unless a JSON formatter or a handler asks for `fields`), a text value is checked for
+quoting once per distinct string (names repeat), the time stamp is built once a second, and the
+handler writes lines in batches (`BatchedStreamHandler`: at 256 lines, 0.2 s after the first
+waiting one, or at once for a warning), not one write and flush per request.
 """
 
 from __future__ import annotations
@@ -9,8 +14,9 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from typing import TextIO
 
 import orjson
 
@@ -22,28 +28,53 @@ _BARE = re.compile(r"[\w.:/@+-]+")  # a text value shown without quotes
 ACCESS = logging.getLogger("gateway.access")
 
 
+# the request log's fields, in the order of an AccessLine's values (README, Request log)
+ACCESS_FIELDS = (
+    "request_id", "tenant", "model", "pool", "replica", "status", "outcome", "error_type",
+    "stream", "priority", "prompt_tokens", "predicted_cached_tokens", "cached_tokens",
+    "output_tokens", "queue_s", "ttft_s", "total_s", "retries", "policy", "reason",
+)  # fmt: skip
+_KEYS = tuple(f"{name}=" for name in ACCESS_FIELDS)
+_SHOWN: dict[str, str] = {}  # a text value -> how it shows (bare or quoted); names repeat
+_SHOWN_MAX = 4096
+
+
 class AccessLine:
-    """One request log line: its fields, rendered only when a handler formats the record."""
+    """One request log line: its values in ACCESS_FIELDS order, rendered only when a handler
+    formats the record (`__str__`: text; `fields`: the mapping a JSON line holds)."""
 
-    __slots__ = ("fields",)
+    __slots__ = ("values",)
 
-    def __init__(self, fields: Mapping[str, object]) -> None:
-        self.fields = fields
+    def __init__(self, values: tuple[object, ...]) -> None:
+        self.values = values
+
+    @property
+    def fields(self) -> dict[str, object]:
+        return dict(zip(ACCESS_FIELDS, self.values, strict=True))
 
     def __str__(self) -> str:
-        return "request " + " ".join(f"{k}={_text(v)}" for k, v in self.fields.items())
+        return "request " + " ".join([k + _text(v) for k, v in zip(_KEYS, self.values, strict=True)])
 
 
 def _text(v: object) -> str:
     if v is None:
         return "-"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
+    if v is True:
+        return "true"
+    if v is False:
+        return "false"
+    if type(v) is int or type(v) is float:
         return str(v)
-    s = str(v)
-    # quoted and escaped (JSON string rules) when it could split or forge a line
-    return s if _BARE.fullmatch(s) else orjson.dumps(s).decode()
+    s = v if type(v) is str else str(v)
+    shown = _SHOWN.get(s)
+    if shown is None:
+        # quoted and escaped (JSON string rules) when it could split or forge a line
+        shown = s if _BARE.fullmatch(s) else orjson.dumps(s).decode()
+        if len(s) <= 128:  # a request id is new every time: not kept
+            if len(_SHOWN) >= _SHOWN_MAX:
+                _SHOWN.clear()
+            _SHOWN[s] = shown
+    return shown
 
 
 def log_access(line: AccessLine) -> None:
@@ -79,12 +110,77 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(out, default=str).decode()
 
 
+class TextFormatter(logging.Formatter):
+    """`asctime levelname name: message`, as logging's default format with its `asctime`, the
+    date and time built once a second."""
+
+    _second = -1
+    _stamp = ""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        second = int(record.created)
+        if second != self._second:
+            self._second = second
+            self._stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
+        return f"{self._stamp},{int(record.msecs):03d}"
+
+
+class BatchedStreamHandler(logging.StreamHandler[TextIO]):
+    """A stream handler that writes lines in batches: when 256 are waiting, `delay_s` after the
+    first of them (a daemon thread's timer), or at once with a record at warning or above, and
+    at close. A line per request otherwise costs a write and a flush each."""
+
+    MAX_LINES = 256
+
+    def __init__(self, stream: TextIO, delay_s: float = 0.2) -> None:
+        super().__init__(stream)
+        self.delay_s = delay_s
+        self._lines: list[str] = []
+        self._wake = threading.Event()
+        self._closed = False
+        threading.Thread(target=self._timer, name="log-flush", daemon=True).start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:  # noqa: BLE001 - logging's rule: a bad record never raises
+            self.handleError(record)
+            return
+        lines = self._lines
+        lines.append(line)
+        if len(lines) >= self.MAX_LINES or record.levelno >= logging.WARNING:
+            self.flush()
+        elif len(lines) == 1:
+            self._wake.set()
+
+    def flush(self) -> None:
+        with self.lock:  # type: ignore[union-attr]  # Handler.createLock made it
+            lines, self._lines = self._lines, []
+            if lines:
+                self.stream.write("\n".join(lines) + "\n")
+            self.stream.flush()
+
+    def _timer(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            time.sleep(self.delay_s)
+            if self._lines:
+                self.flush()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self.flush()
+        super().close()
+
+
 def setup_logging(level: str, fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    handler = BatchedStreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     # neither format shows them: a record need not look up its thread and process names
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     root = logging.getLogger()

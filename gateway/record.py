@@ -205,30 +205,18 @@ class Recorder:
             return
         sent = rec.sent
         prompt = sent.input_tokens if sent.input_tokens is not None else rec.prompt_tokens or None
+        queue_s = rec.queue_wait_s
         log_access(
-            AccessLine(
-                {
-                    "request_id": rec.request_id,
-                    "tenant": rec.tenant,
-                    "model": rec.model[:128],
-                    "pool": rec.pool,
-                    "replica": sent.replica,
-                    "status": status,
-                    "outcome": rec.outcome,
-                    "error_type": rec.error_type if rec.outcome != "ok" else None,
-                    "stream": rec.stream,
-                    "priority": rec.priority or None,
-                    "prompt_tokens": prompt,
-                    "predicted_cached_tokens": None if rec.receipt is None else rec.receipt.predicted,
-                    "cached_tokens": sent.cached_tokens,
-                    "output_tokens": sent.output_tokens,
-                    "queue_s": None if rec.queue_wait_s is None else round(rec.queue_wait_s, 6),
-                    "ttft_s": None if ttft_s is None else round(ttft_s, 6),
-                    "total_s": round(total_s, 6),
-                    "retries": max(0, len(sent.tried) - 1),
-                    "policy": rec.policy or None,
-                    "reason": rec.reason or None,
-                }
+            AccessLine(  # the values in logs.ACCESS_FIELDS order
+                (
+                    rec.request_id, rec.tenant, rec.model[:128], rec.pool, sent.replica, status,
+                    rec.outcome, rec.error_type if rec.outcome != "ok" else None, rec.stream,
+                    rec.priority or None, prompt,
+                    None if rec.receipt is None else rec.receipt.predicted, sent.cached_tokens,
+                    sent.output_tokens, None if queue_s is None else round(queue_s, 6),
+                    None if ttft_s is None else round(ttft_s, 6), round(total_s, 6),
+                    max(0, len(sent.tried) - 1), rec.policy or None, rec.reason or None,
+                )
             )
         )
 

@@ -4,6 +4,7 @@ its fields, sampling, the per-tenant switch, JSON without ANSI, and never a prom
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 from gateway.logs import AccessLine, JsonFormatter
 from tests.gateway.conftest import rig
 from tests.gateway.fake_replica import Upstream
+from tests.support import poll_until
 
 KEY_A, KEY_B = "k-team-a-SECRETKEY-0001", "k-team-b-SECRETKEY-0002"
 PROMPT = "PROMPT-MARKER-do-not-log"
@@ -124,3 +126,40 @@ def test_json_drops_uvicorns_color_message() -> None:
     assert obj["msg"] == "Started server process [7]" and "color_message" not in obj
     record.msg, record.args = "\x1b[32mINFO\x1b[0m: ready", ()
     assert orjson.loads(JsonFormatter().format(record))["msg"] == "INFO: ready"
+
+
+async def test_the_log_handler_writes_lines_in_batches() -> None:
+    """A line per request is cheap: lines wait for a batch (256 lines, a warning, the delay
+    after the first one, or close) instead of a write and a flush each; none is lost or
+    reordered."""
+    import io
+
+    from gateway.logs import BatchedStreamHandler, TextFormatter
+
+    def record(msg: str, level: int = logging.INFO) -> logging.LogRecord:
+        return logging.makeLogRecord({"msg": msg, "levelno": level, "levelname": "X", "name": "t"})
+
+    out = io.StringIO()
+    slow = BatchedStreamHandler(out, delay_s=30.0)  # the timer will not fire in this test
+    slow.setFormatter(logging.Formatter("%(message)s"))
+    for i in range(3):
+        slow.handle(record(f"a{i}"))
+    assert out.getvalue() == ""  # waiting for the batch
+    slow.handle(record("w", logging.WARNING))  # a warning: everything waiting, then it
+    assert out.getvalue() == "a0\na1\na2\nw\n"
+    for i in range(BatchedStreamHandler.MAX_LINES):
+        slow.handle(record(f"b{i}"))
+    assert out.getvalue().count("\n") == 4 + BatchedStreamHandler.MAX_LINES  # a full batch
+    slow.handle(record("last"))
+    slow.close()  # close writes what waits
+    assert out.getvalue().endswith("b255\nlast\n")
+
+    out = io.StringIO()
+    quick = BatchedStreamHandler(out, delay_s=0.05)
+    quick.setFormatter(TextFormatter())
+    quick.handle(record("c"))
+    await poll_until(lambda: out.getvalue() != "", 10)  # the timer wrote it
+    stamp = logging.Formatter().formatTime(record("c"))  # logging's own asctime format
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} X       t: c\n", out.getvalue())
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}", stamp)
+    quick.close()
