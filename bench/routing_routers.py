@@ -82,6 +82,11 @@ class DesRouter:
     The DES cannot hold a request back, so when every replica is saturated (the gateway would
     queue it in admission) the request goes to the replica with the fewest in flight and is
     counted in `overflow`. `predicted[req.id]` keeps the predicted cached tokens per request.
+
+    `clock`: how many times faster than the engines' time the gateway's clock runs, so the TTFTs
+    the policy learns from are the simulated ones divided by it: 5 is what the gateway measures
+    over HTTP in front of replicas simulated at speedup 5 (bench.routing_http), and what it
+    would learn in front of engines 5 times faster than its scorer's prior assumes.
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class DesRouter:
         seed: int = 0,
         kv_tokens: int | None = None,
         label: str | None = None,
+        clock: float = 1.0,
     ) -> None:
         probe = gateway_config(1, "round_robin")
         tpb = probe.index.chunking.block_bytes / 4  # bytes mode: index blocks per token estimate
@@ -100,6 +106,7 @@ class DesRouter:
         capacity = None if kv_tokens is None else int(kv_tokens // tpb)
         cfg = gateway_config(n_replicas, policy, capacity)
         self.name = label or (policy if isinstance(policy, str) else "custom")
+        self.clock = clock
         self.now = 0.0
         self.gw = Gateway(cfg)
         self.gw.use_index(self._index(cfg))
@@ -163,7 +170,7 @@ class DesRouter:
     async def on_finish(self, req: SimRequest, replica: int, record: Any) -> None:
         self.now = record.finish_s
         d = self.pending.pop(req.id)
-        await d.finished(True, True, record.first_token_s - record.arrival_s)
+        await d.finished(True, True, (record.first_token_s - record.arrival_s) / self.clock)
         d.done()
 
 
@@ -234,17 +241,24 @@ def _kv_tokens(cluster: Cluster) -> int:
     return cluster.config.num_blocks * cluster.config.block_size
 
 
-def _gateway(policy: str) -> RouterVariant:
+def _gateway(policy: str, clock: float = 1.0) -> RouterVariant:
+    name = policy if clock == 1.0 else f"{policy}@{clock:g}x"
     return RouterVariant(
-        policy,
-        lambda c, seed: DesRouter(policy, len(c.engines), seed=seed, kv_tokens=_kv_tokens(c)),
+        name,
+        lambda c, seed: DesRouter(
+            policy, len(c.engines), seed=seed, kv_tokens=_kv_tokens(c), label=name, clock=clock
+        ),
     )
 
 
 BASELINES = ("round_robin", "least_loaded")
 CANDIDATES = ("prefix_aware", "ttft", "cost_blocks", "sticky", "sglang_cache_aware")
+# the default policy learning TTFTs on a clock 5x faster than the engines' (DesRouter.clock):
+# as over HTTP at speedup 5 (bench.routing_http), or in front of engines 5x faster than its prior
+WALL_CLOCK = f"{DEFAULT_POLICY}@5x"
 ROUTERS: dict[str, RouterVariant] = {
     **{p: _gateway(p) for p in (*BASELINES, *CANDIDATES)},
+    WALL_CLOCK: _gateway(DEFAULT_POLICY, 5.0),
     "clairvoyant": RouterVariant("clairvoyant", lambda c, seed: Clairvoyant(c), reference=True),
 }
 DEFAULT_ROUTERS = (*BASELINES, *CANDIDATES, "clairvoyant")

@@ -4,7 +4,8 @@ TTFT sums to Redis and fold the others' into every `ReplicaView`, on one tick of
 One hash per fleet, one field per gateway (docs/scaleout.md):
 
     kvgw:fleet:{<fleet.name>}:load   HASH   <gateway_id> -> orjson {"s": seq, "t": unix s,
-        "r": {replica url: [in-flight requests, uncached prompt tokens queued, placed blocks]},
+        "r": {replica url: [in-flight requests, uncached prompt tokens queued, placed blocks
+                            (, {new prefix key: its tokens queued}, while there are any)]},
         "l": {pool: {plugin: {replica url: numbers}}},      (`Policy.share()`, by URL)
         "m": {replica url: [seq, load sample, LoRA info]}}  (gateway/fleet_scrape.py)
 
@@ -291,11 +292,18 @@ class FleetLoad:
         figures' changes wired to the push publisher, for replicas a reload or discovery
         added since the last tick)."""
         sums: dict[str, list[int]] = {}
+        colds: dict[str, dict[int, list[int]]] = {}  # url -> key -> [sum, max] over peers
         for body in live:
             for url, figures in (body.get("r") or {}).items():
                 acc = sums.setdefault(url, [0, 0, 0])
                 for i in range(3):
                     acc[i] += int(figures[i])
+                if len(figures) > 3 and isinstance(figures[3], dict):
+                    seen = colds.setdefault(url, {})
+                    for key, tokens in figures[3].items():
+                        both = seen.setdefault(int(key), [0, 0])
+                        both[0] += int(tokens)
+                        both[1] = max(both[1], int(tokens))
         poke = None if self.push is None else self.push.poke
         for name, pool in snap.pools.items():
             freed = False
@@ -303,6 +311,12 @@ class FleetLoad:
                 r.on_load, r.scrape_here = poke, self.scrapes.owns
                 n, tokens, placed = sums.get(r.url, (0, 0, 0))
                 freed = freed or n < r.peer_inflight
+                cold = colds.get(r.url)
+                if cold:  # a new prefix two peers placed here at once: its prefill counts once
+                    tokens -= sum(both[0] - both[1] for both in cold.values())
+                    r.peer_cold = {key: both[1] for key, both in cold.items()}
+                elif r.peer_cold:
+                    r.peer_cold = {}
                 r.peer_inflight, r.peer_prompt_tokens, r.peer_placed_blocks = n, tokens, placed
             if freed:
                 self._notify(name)  # a peer's request ended: a slot may be free under the cap
@@ -398,8 +412,17 @@ def own_state(snap: Snapshot) -> tuple[dict[str, list[int]], dict[str, Any]]:
     return own_figures(snap), shared_learning(snap)
 
 
-def own_figures(snap: Snapshot) -> dict[str, list[int]]:
-    return {r.url: [r.inflight, r.inflight_prompt_tokens, r.placed_blocks] for r in snap.replicas()}
+def own_figures(snap: Snapshot) -> dict[str, list[Any]]:
+    """Per replica URL: [in flight, uncached prompt tokens queued, placed blocks], then, while
+    there are any, {key: tokens} of the new prefixes placed there not yet prefilled (a gateway
+    that reads only the first three ignores it)."""
+    out: dict[str, list[Any]] = {}
+    for r in snap.replicas():
+        figures: list[Any] = [r.inflight, r.inflight_prompt_tokens, r.placed_blocks]
+        if r.cold:
+            figures.append({str(key): tokens for key, (tokens, _) in r.cold.items()})
+        out[r.url] = figures
+    return out
 
 
 def shared_learning(snap: Snapshot) -> dict[str, dict[str, dict[str, list[float]]]]:

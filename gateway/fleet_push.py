@@ -58,7 +58,7 @@ class LoadPush:
     """The publisher and the listener of one gateway's pushes."""
 
     def __init__(
-        self, fleet: FleetLoad, mine: Callable[[], tuple[dict[str, list[int]], Any]], name: str,
+        self, fleet: FleetLoad, mine: Callable[[], tuple[dict[str, list[Any]], Any]], name: str,
         interval_s: float,
     ) -> None:  # fmt: skip
         self.fleet = fleet

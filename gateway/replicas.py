@@ -83,6 +83,12 @@ class ReplicaState:
     peer_inflight: int = 0
     peer_prompt_tokens: int = 0
     peer_placed_blocks: int = 0
+    # new prefixes placed here and not yet prefilled, by their chain's key (gateway/router.py,
+    # Dispatch: a replica that held none of the prompt): own -> [tokens, requests], and the
+    # peers' largest count per key. Two gateways that place one new prefix here at once count
+    # its prefill once: the replica computes it once.
+    cold: dict[int, list[int]] = field(default_factory=dict)
+    peer_cold: dict[int, int] = field(default_factory=dict)
     scraped: LoadSample | None = None
     scraped_at: float = 0.0
     tier_load: TierLoadMeter = field(default_factory=TierLoadMeter)  # its tiers' measured rates
@@ -177,7 +183,7 @@ class ReplicaState:
             circuit=self.circuit.state,
             models=self.models,
             inflight=self.inflight + self.peer_inflight,
-            inflight_prompt_tokens=self.inflight_prompt_tokens + self.peer_prompt_tokens,
+            inflight_prompt_tokens=self.queued_prompt_tokens(),
             max_inflight=self.max_inflight,
             waiting=None if load is None or load.waiting is None else int(load.waiting),
             running=None if load is None or load.running is None else int(load.running),
@@ -188,6 +194,18 @@ class ReplicaState:
             lora=lora.view() if (lora := self.lora).enabled else None,
             tier_load_rates=self.tier_load.rates,  # kept fresh by each scrape, not stale-gated
         )
+
+    def queued_prompt_tokens(self) -> int:
+        """Uncached prompt tokens queued here, own and peers', a new prefix that this gateway
+        and a peer both placed here counted once."""
+        total = self.inflight_prompt_tokens + self.peer_prompt_tokens
+        cold, peers = self.cold, self.peer_cold
+        if cold and peers:
+            for key, (tokens, _) in cold.items():
+                theirs = peers.get(key)
+                if theirs is not None:
+                    total -= min(tokens, theirs)
+        return total
 
     def took_sample(self, sample: LoadSample, now: float) -> None:
         """A scrape's load (fresh until `stale_after_s`) and the engine's tier load counters."""
@@ -221,15 +239,27 @@ class ReplicaState:
         return self.inflight + self.peer_inflight < self.max_inflight
 
     # --- what the proxy reports ------------------------------------------------------------
-    def dispatched(self, uncached_prompt_tokens: int, new_blocks: int = 0) -> None:
+    def dispatched(
+        self, uncached_prompt_tokens: int, new_blocks: int = 0, cold: int | None = None
+    ) -> None:
+        """A request sent here; `cold`: the key of a new prefix it places (none held here)."""
         self.inflight += 1
         self.inflight_prompt_tokens += uncached_prompt_tokens
         self.placed_blocks += new_blocks
+        if cold is not None:
+            entry = self.cold.setdefault(cold, [0, 0])
+            entry[0] += uncached_prompt_tokens
+            entry[1] += 1
         if self.on_load is not None:
             self.on_load()
 
-    def prefilled(self, uncached_prompt_tokens: int) -> None:
+    def prefilled(self, uncached_prompt_tokens: int, cold: int | None = None) -> None:
         self.inflight_prompt_tokens = max(0, self.inflight_prompt_tokens - uncached_prompt_tokens)
+        if cold is not None and (entry := self.cold.get(cold)) is not None:
+            entry[0] -= uncached_prompt_tokens
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self.cold[cold]
         if self.on_load is not None:
             self.on_load()
 

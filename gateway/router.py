@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from .replicas import ReplicaState
 
 
+COLD_KEY_BLOCKS = 64  # a new prefix's key: the chain hash of its first 64 blocks (or fewer)
+
+
 class Routing:
     """What the router holds for one request between hashing and dispatch."""
 
@@ -205,7 +208,7 @@ class Dispatch:
     """
 
     __slots__ = (
-        "index", "pool", "replica", "view", "routed", "hit_tokens", "uncached",
+        "index", "pool", "replica", "view", "routed", "hit_tokens", "uncached", "cold",
         "_prefilled", "_done", "_settled", "_unrecords", "adapter_load",
     )  # fmt: skip
 
@@ -224,7 +227,13 @@ class Dispatch:
         self.hit_tokens, self.uncached = hit, routed.prompt_tokens - hit
         self._prefilled = self._done = self._settled = False
         self._unrecords = replica.unrecords
-        replica.dispatched(self.uncached, max(0, routed.n_blocks - view.hit_blocks))
+        # a new prefix for this replica: keyed by the chain's first COLD_KEY_BLOCKS blocks, so
+        # that a peer gateway placing the same prefix here at the same moment (both decided
+        # before either's blocks reached the shared index) is counted once across the fleet
+        hashes = routed.block_hashes
+        new_prefix = bool(hashes) and not view.hit_blocks
+        self.cold = hashes[min(len(hashes), COLD_KEY_BLOCKS) - 1] if new_prefix else None
+        replica.dispatched(self.uncached, max(0, routed.n_blocks - view.hit_blocks), self.cold)
         # a LoRA adapter: counted in flight there; None for a model that is no adapter of it
         lora = replica.lora
         self.adapter_load = lora.dispatched(routed.model) if lora.is_adapter(routed.model) else None
@@ -242,7 +251,7 @@ class Dispatch:
         """The first token arrived: the prompt is no longer queued prefill work."""
         if not self._prefilled:
             self._prefilled = True
-            self.replica.prefilled(self.uncached)
+            self.replica.prefilled(self.uncached, self.cold)
 
     async def failed(self, why: str) -> None:
         """The attempt failed before an answer: the replica's breaker counts it and the blocks

@@ -35,6 +35,11 @@ class Flusher:
         self.journal = Journal(tuning.journal_writes, tuning.journal_blocks)
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def pending(self) -> bool:
+        """Writes are queued or on their way (not yet answered by Redis)."""
+        return bool(self.queue) or (self._task is not None and not self._task.done())
+
     def kick(self) -> None:
         if self._link.down or self._link.closed:
             return

@@ -206,6 +206,13 @@ class RedisIndex(LocalEntries, PrefixIndex):
                 answer = dict(answer)
         if self._engine_fed:  # KV events: the engine's word is kept here, not in Redis
             return self._with_engine(scope, hashes, replicas, answer)
+        local = self._local
+        if local is not None and self._flusher.pending:
+            # this gateway's own records still on their way to Redis count as they will: the
+            # next request of a burst on a new prefix finds its first one's blocks
+            for name, depth in local.match_now(scope, hashes, replicas).items():
+                if depth > answer[name]:
+                    answer[name] = depth
         return answer
 
     async def record(self, scope: str, replica: str, hashes: Sequence[int]) -> None:

@@ -6,7 +6,11 @@
     score    = min_ttft / ttft               (1.0 for the fastest candidate)
 
 a, b, c are fitted per replica from Outcomes by exponentially weighted ridge least squares,
-pulled toward the prior a = base_s, b = c = 1 / prefill_tokens_per_s. A replica with no
+pulled toward the prior a = base_s, b = 1 / prefill_tokens_per_s and c = b: a queued token is
+prefill on the same replica, so until its requests met queues it costs what an uncached token is
+learned to cost there (a fixed prior for c stayed put while b learned the replica's real speed:
+over HTTP at a simulated speedup of 5, or on engines 5x faster than the prior, queued tokens were
+priced 3-5x an uncached one and repeats left the replica holding their prefix). A replica with no
 observations of its own is predicted with the mean fit of the replicas that have some (replicas of
 a pool are alike), and with the prior before any observation at all; so a newly learned replica
 does not look faster than idle ones that were simply not tried yet. `prior_weight` is how many
@@ -309,7 +313,13 @@ class TTFTScorer(Scorer):
     def _solve(
         self, fit: _Fit | None, peer: Sequence[float] | None = None
     ) -> tuple[float, float, float]:
-        # ridge toward the prior: (X'X + w I) theta = X'y + w theta0, own and peers' sums added
+        # Ridge in the basis (1, uncached + queued, queued): theta = (a, b, c - b), pulled toward
+        # (base_s, 1 / prefill_tokens_per_s, 0). A queued token is prefill work on the same
+        # replica, so without evidence it costs what an uncached token is learned to cost; a
+        # fixed prior for c would stay put on a replica whose requests rarely met a queue (the
+        # policy sends them where there is none) while b follows the replica's real speed.
+        # The sums stay in the basis (1, u, q) (shared as they are); Z = M X with
+        # M = [[1 0 0] [0 1 1] [0 0 1]], so Z'Z = M X'X M' and Z'y = M X'y.
         w, p = self._prior_weight, self._prior_k
         m = list(fit.xx) if fit is not None else [0.0] * 6
         xy = list(fit.xy) if fit is not None else [0.0] * 3
@@ -318,10 +328,9 @@ class TTFTScorer(Scorer):
                 m[i] += peer[i]
             for i in range(3):
                 xy[i] += peer[6 + i]
-        m[0] += w
-        m[3] += w
-        m[5] += w
-        v = [xy[0] + w * p[0], xy[1] + w * p[1], xy[2] + w * p[2]]
-        theta = solve3(m, v) or p
-        a, b, c = (max(0.0, x) for x in theta)
-        return a, b / _KTOK, c / _KTOK
+        s00, s01, s02, s11, s12, s22 = m
+        z = [s00 + w, s01 + s02, s02, s11 + 2 * s12 + s22 + w, s12 + s22, s22 + w]
+        v = [xy[0] + w * p[0], xy[1] + xy[2] + w * p[1], xy[2]]
+        theta = solve3(z, v) or (p[0], p[1], 0.0)
+        a, b, extra = theta
+        return max(0.0, a), max(0.0, b) / _KTOK, max(0.0, b + extra) / _KTOK

@@ -55,6 +55,13 @@ class GatewayProc:
         """Send raw bytes on a fresh connection; return what the gateway answers: its first whole
         response, or with `until_close` everything until it closes (or `read_s` of silence).
         `shut` half-closes after sending (uvicorn takes that as the client leaving)."""
+        return self.exchange(data, read_s=read_s, shut=shut, until_close=until_close)[0]
+
+    def exchange(
+        self, data: bytes, *, read_s: float = 5.0, shut: bool = False, until_close: bool = False
+    ) -> tuple[bytes, bool]:
+        """`raw`, and whether the gateway ended the connection itself (closed or reset it)
+        rather than leaving this client to give up after `read_s` of silence."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=read_s) as s:
             try:
                 s.sendall(data)
@@ -67,10 +74,12 @@ class GatewayProc:
                 while chunk := s.recv(65536):
                     out += chunk
                     if not until_close and _complete(out):
-                        break
-            except (TimeoutError, ConnectionResetError):
+                        return out, False
+            except TimeoutError:
+                return out, False
+            except ConnectionResetError:
                 pass
-            return out
+            return out, True
 
 
 def _complete(resp: bytes) -> bool:

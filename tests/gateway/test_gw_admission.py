@@ -104,30 +104,40 @@ async def test_interactive_overtakes_batch() -> None:
 
 
 async def test_interactive_bounded_while_batch_saturates() -> None:
+    """200 batch requests keep both slots busy (each held 20 ms). An interactive request that
+    arrives meanwhile never queues behind that backlog: no more batch requests are admitted
+    between its arrival and its own admission than there are slots (one already woken for each
+    freed slot may go first), and it waits less than the oldest batch request has waited. One
+    tenant sends both, so its turn comes from its class, not from fair share between tenants."""
     adm = Admission(default_classes())
     loop = asyncio.get_running_loop()
     cap = Capacity(adm, free=2)
     hold_s = 0.02
+    admitted: list[str] = []
 
-    def busy(order: list[str], label: str, priority: str) -> asyncio.Task[float]:
-        async def run() -> float:
-            async with adm.slot(POOL, label, 1.0, priority, cap) as waited:
+    def busy(label: str, priority: str) -> asyncio.Task[tuple[float, list[str]]]:
+        async def run() -> tuple[float, list[str]]:
+            arrived = len(admitted)
+            async with adm.slot(POOL, "t", 1.0, priority, cap) as waited:
+                ahead = admitted[arrived:]  # admitted between this one's arrival and its own
+                admitted.append(label)
                 cap.free -= 1
                 loop.call_later(hold_s, cap.add)  # the request finishes, its slot frees
-            return waited
+            return waited, ahead
 
         return asyncio.create_task(run())
 
-    batch = [busy([], "bulk", "batch") for _ in range(200)]
+    batch = [busy("bulk", "batch") for _ in range(200)]
     await asyncio.sleep(0.05)
     interactive = []
     for _ in range(8):
-        interactive.append(busy([], "chat", "interactive"))
+        interactive.append(busy("chat", "interactive"))
         await asyncio.sleep(0.03)
-    waits = await asyncio.gather(*interactive)
-    assert max(waits) < 0.2  # about one hold time each, never behind the batch backlog
+    got = await asyncio.gather(*interactive)
+    assert all(ahead.count("bulk") <= 2 for _, ahead in got), [a for _, a in got]
     st = adm.stats().queues[POOL]["batch"]
-    assert st.queued > 100 and st.oldest_wait_s > 0.2  # batch keeps waiting meanwhile
+    assert st.queued > 100  # batch keeps waiting meanwhile...
+    assert st.oldest_wait_s > max(w for w, _ in got)  # ...longer than any interactive one
     for t in batch:
         t.cancel()
     await asyncio.gather(*batch, return_exceptions=True)
@@ -276,8 +286,7 @@ async def test_cancelled_woken_head_passes_the_wake_on() -> None:
     cap.add(1)  # wakes a ...
     a.cancel()  # ... which leaves before it ran
     await settle()
-    assert await b == pytest.approx(0, abs=1)
-    assert order == ["b"]
+    assert b.done() and order == ["b"]  # b got the slot in those few turns, waiting no timer
     with pytest.raises(asyncio.CancelledError):
         await a
 

@@ -202,6 +202,26 @@ async def test_a_new_prefix_goes_to_the_same_replica_through_either_gateway() ->
         assert used >= 3  # new prefixes still spread over the fleet's caches
 
 
+async def test_a_new_prefix_two_gateways_place_at_once_counts_its_prefill_once() -> None:
+    """Both gateways send the same new document to the one replica before either knows the
+    other's blocks: each counts its request as a full prefill, the replica computes it once,
+    and every gateway's picture counts it once (the key of a new prefix travels with the load
+    figures), so the next request of the burst does not find the replica twice as busy."""
+    up = Upstream("u0", delay_s=1.0)  # no first token while the pictures are compared
+    async with fleet_of(2, [up]) as (apps, gws, _), aiohttp.ClientSession() as h:
+        await poll_until(lambda: all(a.gateway.fleet.peers == 1 for a in apps), 10)
+        doc = "A document no gateway has seen. " * 60
+        sent = [asyncio.create_task(post(h, gw, doc)) for gw in gws]
+        await poll_until(lambda: all(peer_inflight(a) == 1 for a in apps), 5)
+        states = [a.gateway.all_replicas()[0] for a in apps]
+        assert all(r.cold and r.peer_cold for r in states)  # each placed it, each saw the other
+        own = [r.inflight_prompt_tokens for r in states]
+        assert own[0] == own[1] > 0
+        assert [r.view(0, 0).inflight_prompt_tokens for r in states] == own  # once, not twice
+        assert [s for s, _ in await asyncio.gather(*sent)] == [200, 200]
+        await poll_until(lambda: not any(r.cold or r.peer_cold for r in states), 5)
+
+
 @pytest.mark.parametrize(
     ("shared", "backend", "want"),
     [(None, "memory", "off"), (None, "redis", "ok"), (False, "redis", "off")],

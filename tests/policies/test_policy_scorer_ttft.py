@@ -74,6 +74,27 @@ def test_ttft_learning_converges_to_observed_coefficients() -> None:
     assert TTFTScorer().coefficients("never-seen") == TTFTScorer().prior
 
 
+def test_ttft_prices_a_queued_token_like_a_learned_uncached_one_until_queues_are_seen() -> None:
+    """A replica 5x faster than the prior (or measured on a clock 5x faster, as over HTTP in
+    front of replicas simulated at speedup 5) whose requests never met a queue: its c follows
+    the b it learned, not the prior's 1/8000 s. With c stuck at the prior a queued token cost
+    5x an uncached one, and a repeat went from its prefix's replica to an idle one."""
+    rng = random.Random(5)
+    scorer = TTFTScorer()  # prior: 0.05 s + 1/8000 s per token
+    for _ in range(200):
+        u = rng.randrange(0, 4000)
+        scorer.observe(_outcome("r", u, 0, (0.05 + u / 8000) / 5))
+    _, b, c = scorer.coefficients("r")
+    assert b == pytest.approx(1 / 40_000, rel=0.1)
+    assert c == pytest.approx(b, rel=0.01)
+    # the holder of a 3,000-token prefix with 3,000 tokens queued against an idle replica: a
+    # near tie (the picker's slack, 10 %), which the hit then wins
+    req = RoutedRequest("q", "m", "m", "p", 3100, tuple(range(31)), 100.0)
+    holder = ReplicaView("r", hit_blocks=30, inflight_prompt_tokens=3000)
+    scores = scorer.score(req, [holder, ReplicaView("idle")])
+    assert scores["r"] >= 0.9
+
+
 def test_ttft_ignores_failed_and_unknown_outcomes() -> None:
     scorer = TTFTScorer()
     scorer.observe(_outcome("a", 1000, 0, None))

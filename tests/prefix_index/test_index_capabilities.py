@@ -92,6 +92,16 @@ async def test_record_nowait_is_taken_and_seen_locally_at_once(
     assert index.record_nowait(S, "r1", []) is True  # nothing to write is no reason to await
 
 
+async def test_a_match_finds_the_gateways_own_records_still_on_their_way(
+    kind: str, make_index: Callable[..., Any]
+) -> None:
+    """The next request of a burst on a new prefix is matched before the first one's record
+    reached Redis: the gateway's own queued write counts (the local view), as in memory."""
+    index = make_index(kind, ttl_s=None)
+    assert index.record_nowait(S, "r1", CHAIN) is True
+    assert await index.match(S, CHAIN, ["r1", "r2"]) == {"r1": 4, "r2": 0}
+
+
 async def test_redis_without_a_local_view_queues_and_matches_remotely(
     make_index: Callable[..., Any],
 ) -> None:

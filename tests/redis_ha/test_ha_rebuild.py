@@ -44,14 +44,14 @@ async def test_a_flushall_during_traffic_is_refilled_from_the_journal(tmp_path: 
             try:
                 await traffic.wait_for(2 * GROUPS, timeout_s=30)
                 before = await window_ratio(h, r.url, 1.5)
-                t0 = time.monotonic()
                 node.client().flushall()
+                at_flush = len(traffic.statuses)  # (the next one may be on its way)
                 flushed = await window_ratio(h, r.url, 0.3)  # until the marker is checked
-                back_s = None
-                while time.monotonic() - t0 < 15:
+                back = None  # requests answered since the flush when hits were back
+                for _ in range(60):  # up to 15 s
                     ratio = await window_ratio(h, r.url, 0.25)
                     if ratio >= 0.9 * before:
-                        back_s = time.monotonic() - t0
+                        back = len(traffic.statuses) - at_flush
                         break
                 after = await window_ratio(h, r.url, 1.0)
             finally:
@@ -59,13 +59,15 @@ async def test_a_flushall_during_traffic_is_refilled_from_the_journal(tmp_path: 
         health = index.health
         print(
             f"\nFLUSHALL under {len(traffic.statuses)} requests: hit ratio {before:.2f} before, "
-            f"{flushed:.2f} just after, back within 10 % after {back_s} s ({after:.2f}); "
+            f"{flushed:.2f} just after, back within 10 % {back} requests after it ({after:.2f}); "
             f"{health.rebuilds} rebuild(s) replayed {health.replayed_writes} records"
         )
         assert traffic.errors == [] and set(traffic.statuses) == {200}  # 0 failed requests
         assert before > 0.8
         assert health.rebuilds == 1 and health.replayed_writes >= GROUPS
-        assert back_s is not None and back_s < 5.0, back_s  # generous: measured ~1 s
+        # back before traffic re-taught a single prefix: one client cycles through the groups,
+        # so no group was asked for twice since the flush; the hits came from the journal
+        assert back is not None and back < GROUPS, back
         assert after >= 0.9 * before
     finally:
         node.kill()

@@ -123,13 +123,19 @@ async def test_garbage_sse_is_not_json(url: str, http: httpx.AsyncClient) -> Non
 
 
 async def test_slow_first_byte_delays_the_response(url: str, http: httpx.AsyncClient) -> None:
+    """The fault holds the next response 0.3 s, once: a request sent while that one is held is
+    answered first, and the held one no sooner than its delay."""
     await set_fault(http, url, mode="slow_first_byte", delay_s=0.3, count=1)
+    body = {"prompt": "x", "max_tokens": 1}
     t0 = time.monotonic()
-    r = await http.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
-    assert r.status_code == 200 and time.monotonic() - t0 >= 0.3
-    t1 = time.monotonic()
-    await http.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
-    assert time.monotonic() - t1 < 0.3
+    held = asyncio.create_task(http.post(url + "/v1/completions", json=body))
+    for _ in range(1000):  # until the held one has taken the fault
+        if (await http.get(url + "/sim/fault")).json()["applied"]:
+            break
+        await asyncio.sleep(0.01)
+    r = await http.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200 and not held.done()
+    assert (await held).status_code == 200 and time.monotonic() - t0 >= 0.3
 
 
 async def test_bad_fault_bodies_are_rejected(url: str, http: httpx.AsyncClient) -> None:

@@ -211,17 +211,24 @@ async def test_metrics_use_vllm_names_types_and_labels(fleet: Fleet, sdk: AsyncO
 
 
 async def test_tokens_arrive_at_simulated_step_times(http: httpx.AsyncClient) -> None:
-    speedup = 20.0
-    async with Fleet(n=1, speedup=speedup) as f:
-        body = {"prompt": list(range(16, 1016)), "max_tokens": 40, "stream": True}
+    """Tokens come no sooner than the simulated steps allow (wall = simulated / speedup), and no
+    later: the same stream at a tenth of the speedup, side by side, takes several times longer
+    (a fixed lag, or a clock that ignored the speedup, would bring the two together)."""
+    body = {"prompt": list(range(16, 1016)), "max_tokens": 40, "stream": True}
+
+    async def timed(url: str) -> list[float]:
         t0 = time.monotonic()
-        async with http.stream("POST", f.urls[0] + "/v1/completions", json=body) as r:
-            stamps = [time.monotonic() - t0 async for _ in r.aiter_lines() if _]
+        async with http.stream("POST", url + "/v1/completions", json=body) as r:
+            return [time.monotonic() - t0 async for _ in r.aiter_lines() if _]
+
+    speedup = 20.0
+    async with Fleet(n=1, speedup=speedup) as f, Fleet(n=1, speedup=speedup / 10) as slow:
+        stamps, slow_stamps = await asyncio.gather(timed(f.urls[0]), timed(slow.urls[0]))
         s = await stats(http, f.urls[0])
     busy_wall = s["busy_time_s"] / speedup  # about 40 steps of ~17 ms simulated
     assert s["steps"] == 40 and busy_wall > 0.025
     assert stamps[-1] >= 0.9 * busy_wall
-    assert stamps[-1] < busy_wall + 1.0
+    assert slow_stamps[-1] > 3 * stamps[-1], (slow_stamps[-1], stamps[-1])  # ~10x
     first_step_wall = (stamps[1] - 0.0)
     assert first_step_wall >= 0.9 * (0.001 + 1000 * 0.000189) / speedup
 
