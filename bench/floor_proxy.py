@@ -47,9 +47,9 @@ from gateway.config import parse_config
 from gateway.http_client import HttpClient
 from gateway.http_protocol import GuardedHttpToolsProtocol, body_writer
 from gateway.kinds import PATHS
-from gateway.pipeline import pick_pool
 from gateway.router import RouteInput
 from gateway.runtime import Gateway
+from gateway.snapshot import pick_pool
 
 MAX_ANSWER_BYTES = 64 << 20
 JSON = [(b"content-type", b"application/json")]
@@ -106,8 +106,7 @@ class RoutedUpstreams(Upstreams):
         req = kind.parse(body, None)
         prompt = router.prompt(req, kind.prompt)
         pool = pick_pool(snap, req, prompt.tokens)
-        routing = router.prepare(req, pool, RouteInput("floor"), prompt)
-        await router.match(pool, routing)
+        routing = await router.route(req, pool, prompt, RouteInput("floor"))
         decision = router.choose(pool, routing)
         assert decision.replica is not None, decision.explain()
         sent = await router.dispatch(pool, routing, decision.replica)

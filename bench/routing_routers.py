@@ -143,11 +143,10 @@ class DesRouter:
         kind, raw = body_of(req)
         parsed = parse_body(kind, raw)  # type: ignore[arg-type]
         router, pool = self.router, self.pool
-        routing = router.prepare(
-            parsed, pool, RouteInput(req.id, session_key=req.meta.get("session")),
-            router.prompt(parsed),
+        routing = await router.route(
+            parsed, pool, router.prompt(parsed), RouteInput(req.id, session_key=req.meta.get("session"))
         )  # fmt: skip
-        decision = await router.decide(pool, routing, now)
+        decision = router.choose(pool, routing, now=now)
         name = decision.replica
         if name is None:
             self.overflow += 1

@@ -55,6 +55,7 @@ from .status import status_of
 from .tracing import Tracing
 from .types import Receive, Scope, Send
 from .version import gateway_version
+from .writer import ResponseWriter
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -179,7 +180,7 @@ class GatewayApp:
             if endpoint is not None:
                 await endpoint.refuse(send, busy)
             else:
-                await send_error(send, busy, close=True)
+                await send_error(ResponseWriter(send), busy, close=True)
             return
         self.inflight += 1
         try:

@@ -24,13 +24,14 @@ from .errors import (
     RequestTimeout,
     error_body,
 )
-from .http_protocol import BodyWriter, body_buffered, body_writer
+from .http_protocol import body_buffered
 from .kinds import EndpointKind
-from .pipeline import Pipeline, RawHeaders, request_id
-from .record import Record
+from .pipeline import Pipeline, RawHeaders
+from .record import Record, request_id
 from .snapshot import Snapshot
 from .tenants import Tenant
-from .types import Message, Receive, Scope, Send
+from .types import Receive, Scope, Send
+from .writer import ResponseWriter
 
 log = logging.getLogger("gateway")
 
@@ -156,19 +157,11 @@ async def discard_body(scope: Scope, receive: Receive, within_s: float) -> bool:
     return False
 
 
-async def send_error(send: Send, exc: GatewayError, close: bool = False) -> None:
-    body = error_body(exc)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+async def send_error(writer: ResponseWriter, exc: GatewayError, close: bool = False) -> None:
+    """The error's OpenAI-shaped answer (`close`: and the connection's end)."""
+    headers = [(b"content-type", b"application/json")]
     headers.extend((k.encode(), v.encode()) for k, v in exc.headers().items())
-    if close:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _answered(sent: bool, writer: BodyWriter | None) -> bool:
-    """Whether the response began: through `send`, or in one write by the writer (`whole`)."""
-    return sent or (writer is not None and writer.started)
+    await writer.whole(exc.status, headers, error_body(exc), close=close)
 
 
 class _Watch:
@@ -203,7 +196,7 @@ class Run(Protocol):
 
     async def __call__(
         self, snap: Snapshot, kind: EndpointKind, raw: bytes, headers: RawHeaders, tenant: Tenant,
-        send: Send, rec: Record, /,
+        writer: ResponseWriter, rec: Record, /,
     ) -> None: ...  # fmt: skip
 
 
@@ -225,7 +218,7 @@ class ProxyEndpoint:
         rec = Record(time.perf_counter_ns(), snapshot=snap.version, request_id=request_id({}),
                      path=self.kind.path.decode())
         await self.pipeline.finish(snap, rec, exc)
-        await send_error(send, exc, close=True)
+        await send_error(ResponseWriter(send), exc, close=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pipeline = self.pipeline
@@ -247,7 +240,7 @@ class ProxyEndpoint:
         except GatewayError as exc:
             await pipeline.finish(snap, rec, exc)
             read = await discard_body(scope, receive, min(REFUSED_DRAIN_S, server.body_timeout_s))
-            await send_error(send, exc, close=not read)
+            await send_error(ResponseWriter.current(send), exc, close=not read)
             return
         try:
             raw = await read_body(
@@ -264,7 +257,7 @@ class ProxyEndpoint:
             return
         except GatewayError as exc:  # 413, 408, 503 or a bad Content-Length: the rest is unread
             await pipeline.finish(snap, rec, exc)
-            await send_error(send, exc, close=True)
+            await send_error(ResponseWriter(send), exc, close=True)
             return
         try:
             await self._handle(snap, scope, receive, send, raw, headers, tenant, rec)
@@ -276,13 +269,7 @@ class ProxyEndpoint:
         headers: RawHeaders, tenant: Tenant, rec: Record,
     ) -> None:  # fmt: skip
         pipeline = self.pipeline
-        started = False
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = True
-            await send(message)
-
+        writer = ResponseWriter.current(send)  # the one way this request's answer leaves
         task = asyncio.current_task()
         assert task is not None
         watch = _Watch(receive, task)
@@ -291,13 +278,12 @@ class ProxyEndpoint:
             watching = self._watching = delays.shared(task.get_loop(), WATCH_AFTER_S, WATCH_TICK_S)
         watching.arm(watch, watch.start)  # most requests end before: no watcher task for them
         error: GatewayError | None = None
-        writer = body_writer()
         try:
-            await self.run(snap, self.kind, raw, headers, tenant, tracked_send, rec)
+            await self.run(snap, self.kind, raw, headers, tenant, writer, rec)
         except GatewayError as exc:
             error = exc
-            if not _answered(started, writer):
-                await send_error(send, exc)
+            if not writer.started:
+                await send_error(writer, exc)
         except asyncio.CancelledError:
             if not watch.gone:
                 raise
@@ -306,8 +292,8 @@ class ProxyEndpoint:
         except Exception:
             log.exception("unexpected error on %s", scope.get("path"))
             error = GatewayError("Internal gateway error")
-            if not _answered(started, writer):
-                await send_error(send, error)
+            if not writer.started:
+                await send_error(writer, error)
         finally:
             watching.disarm(watch)
             watch.stop()

@@ -11,79 +11,37 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .config import PoolConfig, TimeoutsConfig
 from .errors import GatewayError, NoReplicaAvailable, ServerBusy, UpstreamError, UpstreamTimeout
-from .kinds import EndpointKind
-from .openai import ParsedRequest
-from .pools import Pool
+from .outbound import Forwarded, Outbound
 from .proxy import Opened, Retryable, normalize_error_body, open_upstream, relay_stream, send_whole
-from .router import Dispatch, Router, Routing
-from .types import Headers, Send
+from .router import Dispatch
+from .writer import ResponseWriter
 
 if TYPE_CHECKING:
+    from .lora_placement import LoraPlacement
     from .runtime import Gateway
 
-@dataclass(slots=True)
-class Outbound:
-    """The request as it goes to the replicas, and the headers its answer gets."""
-
-    router: Router  # the request's snapshot's (failover dispatches through it)
-    pool: Pool
-    req: ParsedRequest
-    routing: Routing
-    body: bytes  # as sent on (gateway fields set)
-    headers: Headers  # to the replica
-    extra: Headers  # to the client, on the answer
-    expose_errors: bool  # server.expose_upstream_errors
-    answers_cap: int | None  # server.max_answer_bytes_in_flight
-    kind: EndpointKind  # the endpoint's row: upstream path and method, stream tap, usage
-    # a sticky kind's answer id and the replica that made it, learned before the client can
-    # send a follow-up (a whole answer before it is sent, a stream at its first chunk)
-    learn: Callable[[str, str], Awaitable[None]] | None = None
-
-
-@dataclass(slots=True)
-class Forwarded:
-    """What forwarding did, filled in as it goes (so a client that leaves mid-way still has it
-    recorded). `error`: every attempt failed (nothing reached the client)."""
-
-    tried: list[str] = field(default_factory=list)
-    replica: str = "none"
-    status: int = 0
-    outcome: str = "ok"  # ok | upstream_error | broken_mid_stream
-    error_type: str | None = None
-    t_sent: int = 0  # perf_counter_ns of the first attempt
-    t_first: int = 0  # the answer's first byte
-    t_last: int = 0  # its last byte
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    cached_tokens: int | None = None
-    # the route receipt's inputs (gateway/receipt.py): the index's hit on the replica that
-    # answered, in the gateway's tokens (None: the pool's policy does not hash), and the engine's
-    # KV block in tokens as it last reported it (None: not scraped)
-    predicted_tokens: int | None = None
-    engine_block: int | None = None
-    answer_id: str | None = None  # a sticky kind's answer id (`/v1/responses`: the response's)
-    error: GatewayError | None = None
-    path: bytes = b""  # the upstream path and method (the client's, for every proxied kind)
-    method: bytes = b"POST"
-    # one per attempt that went on the wire, in order, for its trace span: (replica, its URL,
-    # t_start, t_end (0: the answer's, t_last), status (0: none), the failover outcome of
-    # gateway_upstream_attempts_total (None: this replica answered))
-    attempts: list[tuple[str, str, int, int, int, str | None]] = field(default_factory=list)
-    pd_prefill: tuple[int, int] = (0, 0)  # a P/D request's prefill leg that served (gateway/pd.py)
-
-
 class Failover:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+    """The plain pool's forwarder: the ranked candidates in turn (a managed LoRA adapter loaded
+    on each first, `LoraPlacement.place`) until one answers."""
 
-    async def forward(self, out: Outbound, first: Dispatch, send: Send, fwd: Forwarded) -> Forwarded:
+    def __init__(self, gateway: Gateway, lora: LoraPlacement) -> None:
+        self.gw = gateway
+        self.lora = lora
+
+    async def forward(
+        self, out: Outbound, first: Dispatch, writer: ResponseWriter, fwd: Forwarded
+    ) -> Forwarded:
         """Try the ranked replicas in turn until one answers; never retry after the first byte."""
         gw, pc, req = self.gw, out.pool.config, out.req
+        if pc.lora.manage:  # the adapter loaded on the pick (or the next placement) first
+            first = await self.lora.place(
+                gw.session, out.router, out.pool, out.routing, first, out.expose_errors,
+                lambda: gw.notify_capacity(out.pool.name),  # a failed placement's slot is free
+            )  # fmt: skip
         path = fwd.path = out.kind.path
         fwd.method = out.kind.method
         failures: list[tuple[str, Retryable]] = []
@@ -133,11 +91,11 @@ class Failover:
                     continue
                 fwd.t_first = time.perf_counter_ns()
                 fwd.replica, fwd.status = name, opened.status
-                current.receipt_inputs(fwd)
+                fwd.predicted_tokens, fwd.engine_block = current.receipt_inputs()
                 fwd.attempts.append((name, current.replica.url, t_sent, 0, opened.status, None))
                 current.prefilled()
                 try:
-                    await self.deliver(out, opened, send, fwd)
+                    await self.deliver(out, opened, writer, fwd)
                 finally:
                     opened.free()  # the answer is with the client (or never will be)
                 # a 4xx is the request's fault, not the replica's: only 5xx and broken streams count
@@ -154,12 +112,15 @@ class Failover:
         fwd.error = _all_failed(failures, fired, pc, out.expose_errors)
         return fwd
 
-    async def deliver(self, out: Outbound, opened: Opened, send: Send, fwd: Forwarded) -> None:
+    async def deliver(
+        self, out: Outbound, opened: Opened, writer: ResponseWriter, fwd: Forwarded
+    ) -> None:
         """Relay the chosen replica's answer and read its usage."""
         status = opened.status
+        extra = out.answer_headers()
         if status != 200:
             body, kind = normalize_error_body(status, opened.first, out.expose_errors)
-            await send_whole(opened, send, out.extra, body)
+            await send_whole(opened, writer, extra, body)
             fwd.outcome, fwd.error_type = "upstream_error", kind
             fwd.t_last = time.perf_counter_ns()
             return
@@ -170,7 +131,7 @@ class Failover:
             tap = row.tap(strip_usage=not out.req.include_usage)
             early = None if learn is None else _learn_early(tap, fwd, learn)
             broke = await relay_stream(
-                opened, send, out.extra, tap, early, live=self.gw.live_streams
+                opened, writer, extra, tap, early, live=self.gw.live_streams
             )
             fwd.t_last = time.perf_counter_ns()
             if broke is not None:
@@ -185,7 +146,7 @@ class Failover:
                 fwd.answer_id = rid if isinstance(rid, str) else None
                 if learn is not None and fwd.answer_id is not None:
                     await learn(fwd.answer_id, fwd.replica)
-            await send_whole(opened, send, out.extra)
+            await send_whole(opened, writer, extra)
             fwd.t_last = time.perf_counter_ns()
             usage = row.usage(opened.parsed) if opened.parsed is not None else None
         if isinstance(usage, dict):

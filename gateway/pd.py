@@ -29,24 +29,17 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from .errors import NoReplicaAvailable, UpstreamError
-from .failover import Failover, Forwarded, Outbound, _all_failed, attempt_outcome
-from .pd_choose import choose_pair
+from .errors import UpstreamError
+from .failover import Failover, _all_failed, attempt_outcome
+from .outbound import Forwarded, Outbound
 from .pd_metrics import PdMetrics
 from .proxy import Opened, Retryable, open_upstream
-from .router import Dispatch, Routing
+from .router import Dispatch, PdDispatch
+from .writer import ResponseWriter
 
 if TYPE_CHECKING:
-    from .kinds import EndpointKind
-    from .openai import ParsedRequest
-    from .pipeline import Pipeline
     from .pools import Pool
-    from .record import Record, Recorder
-    from .router import Prompt, RouteInput
     from .runtime import Gateway
-    from .snapshot import Snapshot
-    from .tenants import Tenant
-    from .types import Headers, Send
 
 PD_KINDS = frozenset(
     {"chat", "completions"}
@@ -63,73 +56,30 @@ class _Leg:
 
     out: Outbound  # the decode leg's (deliver() relays through it)
     base: dict[str, Any]  # the body as the aggregated path would send it, parsed
-    rec: Record
     fwd: Forwarded
     deadline: float
     failures: list[tuple[str, Retryable]] = field(default_factory=list)
     fired: list[str] = field(default_factory=list)
 
 
-class PdFlow:
-    def __init__(self, gw: Gateway, failover: Failover, recorder: Recorder) -> None:
-        self.gw, self.failover, self.recorder = gw, failover, recorder
+class PdForwarder:
+    """A disaggregated pool's forwarder, beside the plain one (`Failover`): the pipeline's steps
+    are the same, the pool picks which forwards (`Pipeline.forwarder`)."""
+
+    def __init__(self, gw: Gateway, failover: Failover) -> None:
+        self.gw, self.failover = gw, failover
         self.metrics = PdMetrics(gw)
-
-    async def handle(
-        self, pipe: Pipeline, snap: Snapshot, pool: Pool, kind: EndpointKind, req: ParsedRequest,
-        prompt: Prompt, inp: RouteInput, tenant: Tenant, send: Send, rec: Record, extra: Headers,
-        explain: bool,
-    ) -> None:  # fmt: skip
-        """A generation on a P/D pool: route on the prefill set, admit, pick the pair, forward."""
-        from .pipeline import decision_header, upstream_body, upstream_headers
-
-        pd = pool.pd
-        assert pd is not None
-        routing = await pipe.route(snap, pd.prefill, req, prompt, inp, rec)
-        slot = snap.admission.slot(
-            pool.name, tenant.name, tenant.weight, rec.priority, pool.has_capacity
-        )
-        async with slot as waited:
-            rec.t_admitted = time.perf_counter_ns()
-            self.recorder.queue_wait(pool.name, rec.priority, waited)
-            decision, droute = choose_pair(snap.router, pool, routing)
-            rec.t_routed = time.perf_counter_ns()
-            rec.routed(routing, decision)
-            self.recorder.decision(pool, routing, decision)
-            dname = decision.decode.replica if decision.decode is not None else None
-            if decision.replica is None or dname is None:
-                why = "; ".join(sorted(set(decision.filtered.values()))) or "a set has no replicas"
-                role = "prefill" if decision.replica is None else "decode"
-                raise NoReplicaAvailable(
-                    f"No {role} replica of pool '{pool.name}' can take the request now ({why})",
-                    retry_after=pool.config.health.interval_s,
-                )
-            p = await snap.router.dispatch(pd.prefill, routing, decision.replica)
-            d = await snap.router.dispatch(pd.decode, droute, dname)
-        if explain:
-            extra.append(decision_header(routing))
-        body = upstream_body(snap, req, rec.priority, tenant.cache_salt, kind.fields)
-        server = snap.config.server
-        out = Outbound(
-            snap.router, pool, req, routing, body, upstream_headers(pool, rec), extra,
-            server.expose_upstream_errors, server.max_answer_bytes_in_flight, kind,
-        )  # fmt: skip
-        sent = await self.forward(out, droute, p, d, send, rec)
-        if sent.error is not None:
-            raise sent.error
 
     # --- forward --------------------------------------------------------------------------------
     async def forward(
-        self, out: Outbound, droute: Routing, p: Dispatch, d: Dispatch, send: Send, rec: Record
+        self, out: Outbound, first: PdDispatch, writer: ResponseWriter, fwd: Forwarded
     ) -> Forwarded:
         """Run the legs until the decode replica answers or every candidate failed."""
         pool = out.pool
+        p, d, droute = first.prefill, first.decode, first.droute
         assert pool.pd is not None and out.routing.decision is not None and droute.decision
-        fwd = rec.sent
         fwd.path, fwd.method = out.kind.path, out.kind.method
-        leg = _Leg(
-            out, orjson.loads(out.body), rec, fwd, time.monotonic() + pool.config.timeouts.total_s
-        )
+        leg = _Leg(out, orjson.loads(out.body), fwd, time.monotonic() + pool.config.timeouts.total_s)
         p_next = _candidates(out.routing.decision.ranked[1:], pool.pd.prefill.config.retries)
         d_next = _candidates(droute.decision.ranked[1:], pool.pd.decode.config.retries)
         sglang = pool.pd.protocol == "sglang"
@@ -137,7 +87,7 @@ class PdFlow:
         try:
             while True:
                 step = await (
-                    self._sglang(leg, p, d, send) if sglang else self._vllm(leg, p, d, send)
+                    self._sglang(leg, p, d, writer) if sglang else self._vllm(leg, p, d, writer)
                 )
                 if step is None:
                     return fwd
@@ -164,7 +114,7 @@ class PdFlow:
         fwd.error = _all_failed(leg.failures, leg.fired, pool.config, out.expose_errors)
         return fwd
 
-    async def _vllm(self, leg: _Leg, p: Dispatch, d: Dispatch, send: Send) -> _Step | None:
+    async def _vllm(self, leg: _Leg, p: Dispatch, d: Dispatch, writer: ResponseWriter) -> _Step | None:
         """One prefill-then-decode try; None: the client got an answer (or an error)."""
         body = {
             k: v
@@ -182,7 +132,7 @@ class PdFlow:
         t1 = time.perf_counter_ns()
         self._attempt(leg, p, "prefill", t0, t1, opened.status, None)
         if opened.status != 200:  # the request's own error (4xx), or a 500: the client's answer
-            await self._relay(leg, p, opened, send)
+            await self._relay(leg, p, opened, writer)
             return None
         kv = opened.parsed.get("kv_transfer_params") if opened.parsed else None
         if not isinstance(kv, dict):
@@ -207,10 +157,10 @@ class PdFlow:
                 (time.perf_counter_ns() - t1) / 1e9
             )
         leg.fwd.pd_prefill = (t0, t1)
-        await self._deliver(leg, d, dopen, send, t2)
+        await self._deliver(leg, d, dopen, writer, t2)
         return None
 
-    async def _sglang(self, leg: _Leg, p: Dispatch, d: Dispatch, send: Send) -> _Step | None:
+    async def _sglang(self, leg: _Leg, p: Dispatch, d: Dispatch, writer: ResponseWriter) -> _Step | None:
         """Both legs at once with one bootstrap room; the decode's answer is the client's."""
         pool = leg.out.pool
         assert pool.pd is not None
@@ -243,7 +193,7 @@ class PdFlow:
                 self._attempt(
                     leg, p, "prefill", t0, time.perf_counter_ns(), pt.result().status, None
                 )
-                await self._relay(leg, p, pt.result(), send)
+                await self._relay(leg, p, pt.result(), writer)
                 return None
             try:
                 dopen = await dt
@@ -255,7 +205,7 @@ class PdFlow:
                 self._attempt(leg, p, "prefill", t0, t1, pt.result().status, None)
                 await self._prefilled(leg, p, pt.result(), t0, t1)
                 leg.fwd.pd_prefill = (t0, t1)
-            await self._deliver(leg, d, dopen, send, t0)
+            await self._deliver(leg, d, dopen, writer, t0)
             if not pt.done():  # the decode answered: the prefill leg ends with it, or is dropped
                 try:
                     async with asyncio.timeout(1.0):
@@ -342,7 +292,7 @@ class PdFlow:
         self.metrics.prefill.labels(leg.out.pool.name, p.replica.name).observe((t1 - t0) / 1e9)
 
     async def _deliver(
-        self, leg: _Leg, d: Dispatch, opened: Opened, send: Send, t_sent: int
+        self, leg: _Leg, d: Dispatch, opened: Opened, writer: ResponseWriter, t_sent: int
     ) -> None:
         fwd = leg.fwd
         fwd.t_first = time.perf_counter_ns()
@@ -351,7 +301,7 @@ class PdFlow:
         d.prefilled()
         cached = fwd.cached_tokens
         try:
-            await self.failover.deliver(leg.out, opened, send, fwd)
+            await self.failover.deliver(leg.out, opened, writer, fwd)
         finally:
             opened.free()
         if cached is not None:
@@ -360,12 +310,12 @@ class PdFlow:
         ttft = (fwd.t_first - t_sent) / 1e9 if leg.out.req.stream and opened.status == 200 else None
         await d.finished(ok, opened.status == 200, ttft, f"upstream {fwd.outcome}")
 
-    async def _relay(self, leg: _Leg, p: Dispatch, opened: Opened, send: Send) -> None:
+    async def _relay(self, leg: _Leg, p: Dispatch, opened: Opened, writer: ResponseWriter) -> None:
         """A prefill leg's error answer is the client's (the decode leg is not sent)."""
         fwd = leg.fwd
         fwd.t_first = time.perf_counter_ns()
         fwd.replica, fwd.status = p.replica.name, opened.status
-        await self.failover.deliver(leg.out, opened, send, fwd)
+        await self.failover.deliver(leg.out, opened, writer, fwd)
         await p.finished(opened.status < 500, False, None, "upstream error")
 
 

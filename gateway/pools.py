@@ -57,6 +57,17 @@ class Pool:
                 best = n
         return best
 
+    def answer_bound(self, prompt_tokens: int) -> int:
+        """What the answer of a request without max_tokens may cost: `default_max_tokens`, no
+        more than the engine's context leaves after the prompt (its `max_model_len` from
+        /v1/models); 0 when neither is known (the prompt alone is charged)."""
+        default = self.config.default_max_tokens
+        context = self.max_model_len()
+        room = None if context is None else max(0, context - prompt_tokens)
+        if default is None:
+            return room or 0
+        return default if room is None else min(default, room)
+
     def parts(self) -> tuple[Pool, ...]:
         """The pools whose settings its replicas run under: itself, or a P/D pool's two sets."""
         return (self,) if self.pd is None else (self.pd.prefill, self.pd.decode)
@@ -188,3 +199,4 @@ def apply_updates(updates: Iterable[Update]) -> None:
 def replica_configs(pool: Pool) -> list[ReplicaConfig]:
     """What discovery found for `pool`, as replica configs (to rebuild it under a new config)."""
     return [ReplicaConfig(url=r.url, name=r.name) for r in pool.replicas]
+

@@ -5,8 +5,8 @@ at once when the client goes away, so the engine aborts the request, and when th
 shutdown is about to run out (`LiveStreams`: the client gets an error event and a terminated body
 instead of a cut connection). Under the gateway's server protocol a streamed chunk the client can
 take at once goes from the upstream connection's callback straight to the client's socket
-(`UpstreamResponse.pipe`, `http_protocol.BodyWriter`): no task wakes, no ASGI message per chunk;
-under backpressure the relay falls back to awaiting `send`. Non-streamed answers held at once are
+(`UpstreamResponse.pipe`, the `ResponseWriter`'s lane): no task wakes, no ASGI message per chunk;
+under backpressure the writer falls back to awaiting `send`. Non-streamed answers held at once are
 capped (`AnswerBudget`). The client is gateway.http_client (a lean keep-alive HTTP/1.1 client:
 aiohttp's cost dominated the gateway's CPU per request); error bodies: `upstream_errors.py`.
 """
@@ -30,18 +30,15 @@ from .http_client import (
     UpstreamResponse,
     UpstreamTooLargeError,
 )
-from .http_protocol import BodyWriter, body_writer
 from .streams import StreamTap
-from .types import Headers, Send
+from .types import Headers
 from .upstream_errors import hide_addresses as hide_addresses
 from .upstream_errors import normalize_error_body as normalize_error_body
+from .writer import ResponseWriter
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a non-streamed answer larger than this is a broken replica
 _PASS_HEADERS = frozenset({b"content-type", b"x-request-id", b"openai-processing-ms"})
-SEND_SLICE = (
-    256 * 1024
-)  # a large whole answer goes to the client in slices, each after the last drained
 
 
 class Retryable(Exception):
@@ -209,7 +206,7 @@ def response_headers(resp: UpstreamResponse, extra: Headers) -> Headers:
 
 async def relay_stream(
     opened: Opened,
-    send: Send,
+    writer: ResponseWriter,
     extra_headers: Headers,
     tap: StreamTap,
     after_first: Callable[[], Awaitable[None]] | None = None,
@@ -228,7 +225,7 @@ async def relay_stream(
     if live is not None:
         live.add(resp)
     try:
-        return await _relay(opened, send, extra_headers, tap, after_first, live)
+        return await _relay(opened, writer, extra_headers, tap, after_first, live)
     finally:
         if live is not None:
             live.discard(resp)
@@ -236,7 +233,7 @@ async def relay_stream(
 
 async def _relay(
     opened: Opened,
-    send: Send,
+    writer: ResponseWriter,
     extra_headers: Headers,
     tap: StreamTap,
     after_first: Callable[[], Awaitable[None]] | None,
@@ -246,20 +243,15 @@ async def _relay(
     headers = response_headers(resp, extra_headers)
     # what can go at once goes straight to the client's socket (a chunk per read: whatever
     # arrived since the last one, never waited for), the head with the first; else, or under
-    # backpressure, through `send`
-    writer = body_writer()
-    out = tap.feed(opened.first)
-    if writer is None or not writer.begin(resp.status, headers, out):
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        if out and (writer is None or not writer.write(out)):
-            await send({"type": "http.response.body", "body": out, "more_body": True})
+    # backpressure, through `send` (the writer decides)
+    await writer.begin(resp.status, headers, tap.feed(opened.first))
     broke: GatewayError | None = None
     ended = False  # the replica's body came to its end
     try:
         if after_first is not None:
             await after_first()
         held: list[BaseException | bytes] = []
-        sink = _sink(tap, writer, held) if writer is not None else None
+        sink = _sink(tap, writer, held) if writer.lane is not None else None
         while tap.broken is None:
             if sink is not None and not tap.done:
                 # the chunks the client can take at once are relayed from the upstream's own
@@ -269,14 +261,14 @@ async def _relay(
                     stuck = held.pop()
                     if isinstance(stuck, BaseException):
                         raise stuck
-                    await send({"type": "http.response.body", "body": stuck, "more_body": True})
+                    await writer.write(stuck)
             chunk = await resp.read_chunk()
             if not chunk:
                 ended = True
                 break
             out = tap.feed(chunk)
-            if out and (writer is None or not writer.write(out)):
-                await send({"type": "http.response.body", "body": out, "more_body": True})
+            if out:
+                await writer.write(out)
     except asyncio.CancelledError:  # the client went away: hang up so the engine aborts
         resp.abort()
         raise
@@ -299,14 +291,12 @@ async def _relay(
         resp.release()
     else:
         resp.abort()
-    tail = sse_error_event(broke) if broke is not None else b""
-    if writer is None or not writer.end(tail):
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+    await writer.end(sse_error_event(broke) if broke is not None else b"")
     return broke
 
 
 def _sink(
-    tap: StreamTap, writer: BodyWriter, held: list[BaseException | bytes]
+    tap: StreamTap, writer: ResponseWriter, held: list[BaseException | bytes]
 ) -> Callable[[bytes], bool]:
     """What `pipe` hands the body bytes to: through the tap, written to the client at once; False
     (stop piping) when they cannot go now (then in `held`, for `send`), at `[DONE]` or a broken
@@ -315,7 +305,7 @@ def _sink(
     def sink(data: bytes) -> bool:
         try:
             out = tap.feed(data)
-            if out and not writer.write(out):
+            if out and not writer.write_now(out):
                 held.append(out)
                 return False
         except Exception as exc:  # noqa: BLE001 - raised in the relay's task instead
@@ -327,8 +317,9 @@ def _sink(
 
 
 async def send_whole(
-    opened: Opened, send: Send, extra_headers: Headers, body: bytes | None = None
+    opened: Opened, writer: ResponseWriter, extra_headers: Headers, body: bytes | None = None
 ) -> None:
+    """The replica's whole answer (or `body` in its place: a JSON error of the gateway's)."""
     resp = opened.resp
     resp.release()
     payload = opened.first if body is None else body
@@ -336,22 +327,7 @@ async def send_whole(
     if body is not None:
         headers = [(k, v) for k, v in headers if k != b"content-type"]
         headers.append((b"content-type", b"application/json"))
-    if len(payload) <= SEND_SLICE:  # the usual answer: head and body in one write
-        writer = body_writer()
-        if writer is not None and writer.whole(resp.status, headers, payload):
-            return
-    headers.append((b"content-length", str(len(payload)).encode()))
-    await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-    # a large answer goes in slices: each send waits until the client has drained the last, so a
-    # slow reader holds the answer here (charged) instead of a copy in the transport's buffer
-    n = len(payload)
-    start = 0
-    while n - start > SEND_SLICE:
-        end = start + SEND_SLICE
-        await send({"type": "http.response.body", "body": payload[start:end], "more_body": True})
-        start = end
-    await send({"type": "http.response.body", "body": payload[start:] if start else payload,
-                "more_body": False})  # fmt: skip
+    await writer.whole(resp.status, headers, payload)
 
 
 def with_stream_usage(raw: bytes, body: dict[str, Any]) -> bytes:

@@ -7,7 +7,9 @@ once the request is over, whatever happened to it (served, refused, failed, or t
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import Mapping
@@ -18,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from policies.types import Decision
 
 from .errors import GatewayError
-from .failover import Forwarded
 from .logs import ACCESS, AccessLine, log_access
+from .outbound import Forwarded
 from .pools import Pool
 from .ratelimit import Rule
 from .receipt import Receipt, receipt
@@ -90,6 +92,35 @@ class Record:
         if sent.output_tokens is None:
             return None
         return (sent.input_tokens or self.prompt_tokens) + sent.output_tokens
+
+
+class _Ids:
+    """New request ids: 16 random hex digits drawn once per process (again in a forked child),
+    then a counter: unique across processes and gateways without a getrandom call per request."""
+
+    __slots__ = ("prefix", "count")
+
+    def __init__(self) -> None:
+        self.reseed()
+
+    def reseed(self) -> None:
+        self.prefix = os.urandom(8).hex()
+        self.count = itertools.count()
+
+    def new(self) -> str:
+        return f"{self.prefix}{next(self.count):016x}"
+
+
+_IDS = _Ids()
+os.register_at_fork(after_in_child=_IDS.reseed)
+
+
+def request_id(headers: Mapping[bytes, bytes]) -> str:
+    """The client's X-Request-Id (bounded), else a new one (32 hex digits, unique, not secret);
+    sent to the replica and back."""
+    rid = headers.get(b"x-request-id")
+    return rid.decode("latin-1")[:128] if rid else _IDS.new()
+
 
 
 class Recorder:

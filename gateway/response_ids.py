@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING
 from .errors import GatewayError, NoReplicaAvailable, NotFound, UpstreamError, UpstreamTimeout
 from .failover import attempt_outcome
 from .kinds import EndpointKind, passthrough_kind
-from .pipeline import Pipeline, RawHeaders, upstream_headers
+from .outbound import upstream_headers
+from .pipeline import Pipeline, RawHeaders
 from .proxy import Retryable, normalize_error_body, open_upstream, send_whole
 from .record import Record
 
 if TYPE_CHECKING:
     from .snapshot import Snapshot
     from .tenants import Tenant
-    from .types import Send
+    from .writer import ResponseWriter
 
 PREFIX = "/v1/responses/"
 # a route name -> its kind (what the request log and traces call its method)
@@ -54,7 +55,7 @@ def response_id(path: str) -> str:
 
 async def by_id(
     pipeline: Pipeline, snap: Snapshot, kind: EndpointKind, raw: bytes, headers: RawHeaders,
-    tenant: Tenant, send: Send, rec: Record,
+    tenant: Tenant, writer: ResponseWriter, rec: Record,
 ) -> None:  # fmt: skip
     """Forward one by-id request to the response's home replica and relay its answer."""
     rid = response_id(rec.path)
@@ -80,7 +81,7 @@ async def by_id(
     try:
         opened = await open_upstream(
             gw.upstream, replica.url, fwd.path, raw,
-            upstream_headers(pool, rec, headers.get(b"content-type")), pc.timeouts, False,
+            upstream_headers(pool, rec.request_id, rec.trace, headers.get(b"content-type")), pc.timeouts, False,
             pc.timeouts.total_s, gw.answers, server.max_answer_bytes_in_flight,
             method=kind.method, json_answer=False,
         )  # fmt: skip
@@ -101,12 +102,12 @@ async def by_id(
         if (opened.status == 200 and kind.method == b"DELETE") or opened.status == 404:
             await pipeline.homes.forget(rid)  # deleted, or gone from its replica (evicted)
         if opened.status == 200:
-            await send_whole(opened, send, extra)
+            await send_whole(opened, writer, extra)
         else:
             body, error_type = normalize_error_body(
                 opened.status, opened.first, server.expose_upstream_errors
             )
-            await send_whole(opened, send, extra, body)
+            await send_whole(opened, writer, extra, body)
             fwd.outcome, fwd.error_type = "upstream_error", error_type
     finally:
         opened.free()

@@ -1,28 +1,40 @@
-"""The routing unit: a request's prompt -> scope and block hashes -> index match -> policy choice.
+"""The routing unit, two verbs: `route(request, pool) -> Routing` (hash the prompt, match the
+index) and `choose(pool, routing) -> Decision` (recheck, views, policy). Then `dispatch` counts
+the choice.
 
-The pipeline and every benchmark drive this one object; it decides, it does not send. A
-`Dispatch` counts the choice on its replica at once (in-flight load and the prompt's blocks in
-the index) and feeds the outcome back to the replica's state, the policy and the index.
+The pipeline, the forwarders and every benchmark drive this one object; it decides, it does
+not send. What a decision depends on enters it as an input, never as an edit afterwards: the
+replica holding a `/v1/responses` follow-up's state (`RouteInput.home`, ranked first by the
+policy), the managed LoRA offer (`choose(..., offer)`, the adapters each replica may load), and a
+disaggregated pool's pair (the prefill replica by the pool's policy, the decode replica by
+`policies.pd_decode.rank_decode`: a `PdDecision`). A `Dispatch` counts the choice on its replica
+at once (in-flight load and the prompt's blocks in the index) and feeds the outcome back to the
+replica's state, the policy and the index.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+import orjson
+
+from policies.pd_decode import rank_decode
 from policies.types import Decision, Outcome, ReplicaView, RoutedRequest
 from prefix_index.chunking import scope_key
 
+from .errors import NoReplicaAvailable, NotFound
 from .kinds import KINDS, PromptOf
+from .lora import unserved
 from .openai import ParsedRequest
 
 if TYPE_CHECKING:
     from prefix_index.base import PrefixIndex
     from prefix_index.chunking import Chunker
 
-    from .failover import Forwarded
     from .pools import Pool
     from .replicas import ReplicaState
 
@@ -31,11 +43,12 @@ COLD_KEY_BLOCKS = 64  # a new prefix's key: the chain hash of its first 64 block
 
 
 class Routing:
-    """What the router holds for one request between hashing and dispatch."""
+    """What the router holds for one request between hashing and dispatch (a disaggregated
+    pool's: its prefill set's, with the decode set's in `decode` once chosen)."""
 
     __slots__ = (
         "routed", "prompt", "hits", "epoch", "decision", "views", "hash_ns", "match_ns", "choose_ns",
-        "tiers",
+        "tiers", "decode",
     )  # fmt: skip
 
     def __init__(self, routed: RoutedRequest, prompt: str | Sequence[int], hash_ns: int) -> None:
@@ -49,6 +62,36 @@ class Routing:
         self.hash_ns = hash_ns
         self.match_ns = 0
         self.choose_ns = 0
+        self.decode: Routing | None = None  # a disaggregated pool's decode set's routing
+
+
+@dataclass(slots=True)
+class PdDecision(Decision):
+    """A disaggregated pool's decision: the prefill policy's, with the decode picker's beside
+    it (both in explain(): the decision header and /debug/decisions)."""
+
+    decode: Decision | None = None
+
+    def explain(self) -> dict[str, object]:
+        out = dict(Decision.explain(self))
+        out["prefill_replica"] = self.replica
+        if self.decode is not None:
+            out["decode"] = dict(self.decode.explain())
+            out["decode_replica"] = self.decode.replica
+        return out
+
+
+def decision_header(routing: Routing) -> tuple[bytes, bytes]:
+    """`x-gateway-decision`: the decision's explanation (every candidate's scores, the reason)."""
+    assert routing.decision is not None
+    return b"x-gateway-decision", orjson.dumps(routing.decision.explain())
+
+
+class Offer(Protocol):
+    """Managed LoRA placement's offer (gateway/lora_placement.py): before a choice, the adapters
+    each replica of `pool` may load for a request of `model` (its views' `loadable`)."""
+
+    def offer(self, pool: Pool, model: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -60,6 +103,7 @@ class RouteInput:
     priority: str = "interactive"
     session_key: str | None = None
     tenant_salt: str | None = None  # the tenant's cache salt (config), joined to the client's
+    home: str | None = None  # the replica holding the state this request continues (responses)
 
 
 def cache_salt(req: ParsedRequest, tenant_salt: str | None) -> str | None:
@@ -81,7 +125,7 @@ class Prompt(NamedTuple):
 
 
 class Router:
-    """Hash, match and choose, each timed; `dispatch` counts the winner.
+    """Hash and match (`route`), then choose (`choose`), each timed; `dispatch` counts a pick.
 
     One router per snapshot: its chunker and index are the snapshot's (a reload or the
     tokens-mode fallback makes a new snapshot, and so a new router).
@@ -93,13 +137,34 @@ class Router:
         self.chunker = chunker
         self.index = index
 
-    # --- hash ------------------------------------------------------------------------------
     def prompt(self, req: ParsedRequest, of: PromptOf | None = None) -> Prompt:
         """What of `req` is hashed and its estimated tokens, by its kind's `prompt` (`of`, else
         the row of `req.kind` in the kinds table): "" when the kind routes by load alone."""
         t0 = time.perf_counter_ns()
         text, tokens = (of or KINDS[req.kind].prompt)(req, self.chunker)
         return Prompt(text, tokens, time.perf_counter_ns() - t0)
+
+    # --- route: hash + match ---------------------------------------------------------------
+    async def route(
+        self, req: ParsedRequest, pool: Pool, prompt: Prompt, inp: RouteInput
+    ) -> Routing:
+        """Which replicas of `pool` hold how much of the prompt (a disaggregated pool: its
+        prefill set's), asked outside admission so that a Redis round trip queues no one. A 503
+        when no replica is available, a 404 for a LoRA adapter no replica serves."""
+        target = pool.pd.prefill if pool.pd is not None else pool
+        if not target.any_available():
+            raise NoReplicaAvailable(
+                f"No replica of pool '{pool.name}' is available (all circuits open)",
+                retry_after=pool.config.health.interval_s,
+            )
+        if req.model and unserved((r.lora for r in target.replicas), req.model):
+            raise NotFound(  # a LoRA pool, and no replica lists this adapter (docs/lora.md)
+                f"The model `{req.model[:64]}` does not exist: no replica of pool "
+                f"'{pool.name}' serves it.", param="model", code="model_not_found",
+            )  # fmt: skip
+        routing = self.prepare(req, target, inp, prompt)
+        await self.match(target, routing)
+        return routing
 
     def prepare(
         self,
@@ -133,10 +198,10 @@ class Router:
             priority=inp.priority,
             tenant=inp.tenant,
             adapter=bool(req.model) and any(r.lora.is_adapter(req.model) for r in pool.replicas),
+            home=inp.home,
         )
         return Routing(routed, text, render_ns + time.perf_counter_ns() - t0)
 
-    # --- match -----------------------------------------------------------------------------
     async def match(self, pool: Pool, routing: Routing) -> None:
         """Ask the index which replica holds the longest run of the chain (outside admission)."""
         t0 = time.perf_counter_ns()
@@ -150,8 +215,20 @@ class Router:
         routing.match_ns = time.perf_counter_ns() - t0
 
     # --- choose ----------------------------------------------------------------------------
-    def choose(self, pool: Pool, routing: Routing, now: float | None = None) -> Decision:
-        """Views of the pool's replicas as they are now, and the policy's ranking of them."""
+    def choose(
+        self, pool: Pool, routing: Routing, offer: Offer | None = None, now: float | None = None
+    ) -> Decision:
+        """The policy's ranking of the pool's replicas as they are now (`offer`: managed LoRA
+        placement's, first); a disaggregated pool's pair (`PdDecision`, the decode set's
+        routing in `routing.decode`). A decision with no replica is still returned (it is
+        recorded); `dispatch_decision` refuses it."""
+        if pool.pd is None:
+            if offer is not None:
+                offer.offer(pool, routing.routed.model)
+            return self._choose(pool, routing, now)
+        return self._choose_pair(pool, routing, now)
+
+    def _choose(self, pool: Pool, routing: Routing, now: float | None = None) -> Decision:
         t0 = time.perf_counter_ns()
         now = time.monotonic() if now is None else now
         hits = routing.hits
@@ -168,6 +245,29 @@ class Router:
         routing.choose_ns = time.perf_counter_ns() - t0
         return decision
 
+    def _choose_pair(self, pool: Pool, routing: Routing, now: float | None) -> PdDecision:
+        """The prefill replica by the pool's policy (prefix hit + prefill queue, over the
+        prefill set), the decode replica by `rank_decode` (decode batch, KV headroom from the
+        engine's `cache_config_info` and the scraped usage)."""
+        assert pool.pd is not None
+        pdec = self._choose(pool.pd.prefill, routing, now)
+        decode = pool.pd.decode
+        # vLLM's decode side keeps the pulled blocks in its prefix cache (it pulls only what it
+        # lacks, §1.2): the index records them there too; SGLang's is not known to, so it does not
+        keep = pool.pd.protocol == "vllm-nixl"
+        routed = routing.routed if keep else dataclasses.replace(routing.routed, block_hashes=())
+        droute = routing.decode = Routing(routed, routing.prompt, 0)
+        now = time.monotonic() if now is None else now
+        droute.views = [r.view(0, now) for r in decode.replicas]
+        kv = {r.name: (r.engine_kv[1] if r.engine_kv else None) for r in decode.replicas}
+        ddec = droute.decision = rank_decode(routed, droute.views, kv)
+        both = PdDecision(
+            pdec.ranked, pdec.reason, pdec.policy, pdec.scores, pdec.totals,
+            {**pdec.filtered, **ddec.filtered}, pdec.predicted_hit_blocks, decode=ddec,
+        )  # fmt: skip
+        routing.decision = both
+        return both
+
     def _recheck(self, pool: Pool, routing: Routing) -> dict[str, int]:
         """The match again from what this process knows without a round trip (the memory index,
         or the Redis backend's local view of this gateway's own writes), merged with the first
@@ -181,12 +281,38 @@ class Router:
         old = routing.hits
         return {name: max(n, old.get(name, 0)) for name, n in fresh.items()}
 
-    async def decide(self, pool: Pool, routing: Routing, now: float | None = None) -> Decision:
-        """match + choose, for callers with no admission queue between them (the DES)."""
-        await self.match(pool, routing)
-        return self.choose(pool, routing, now)
-
     # --- dispatch --------------------------------------------------------------------------
+    async def dispatch_decision(self, pool: Pool, routing: Routing) -> Dispatched:
+        """Count the decision's pick (a disaggregated pool's: its prefill and its decode
+        replica): a 503 when the decision has none."""
+        decision = routing.decision
+        assert decision is not None
+        pd = pool.pd
+        droute = routing.decode
+        dname = None
+        if pd is not None and droute is not None and isinstance(decision, PdDecision):
+            dname = decision.decode.replica if decision.decode is not None else None
+        if decision.replica is None or (pd is not None and dname is None):
+            why = "; ".join(sorted(set(decision.filtered.values())))
+            if pd is None:
+                raise NoReplicaAvailable(
+                    f"No replica of pool '{pool.name}' can take the request now "
+                    f"({why or 'the pool has no replicas'})",
+                    retry_after=pool.config.health.interval_s,
+                )
+            role = "prefill" if decision.replica is None else "decode"
+            raise NoReplicaAvailable(
+                f"No {role} replica of pool '{pool.name}' can take the request now "
+                f"({why or 'a set has no replicas'})",
+                retry_after=pool.config.health.interval_s,
+            )
+        if pd is None:
+            return await self.dispatch(pool, routing, decision.replica)
+        assert droute is not None and dname is not None
+        p = await self.dispatch(pd.prefill, routing, decision.replica)
+        d = await self.dispatch(pd.decode, droute, dname)
+        return PdDispatch(p, d, droute)
+
     async def dispatch(self, pool: Pool, routing: Routing, name: str) -> Dispatch:
         """Count a dispatch of the request to replica `name` (the pick, or a failover): its
         in-flight load, and its chain in the index (the memory index and the Redis backend's
@@ -308,12 +434,11 @@ class Dispatch:
         if served and cached is not None and (self.hit_tokens or tiers):
             self.pool.audit.observe(self.hit_tokens, tiers, cached)
 
-    def receipt_inputs(self, fwd: Forwarded) -> None:
-        """This dispatch answered: its predicted hit and the engine's block, for the receipt."""
-        if self.pool.policy.needs_prefix:
-            fwd.predicted_tokens = self.hit_tokens
+    def receipt_inputs(self) -> tuple[int | None, int | None]:
+        """For the route receipt, once this dispatch answered: its predicted hit (None: the
+        pool's policy does not hash) and the engine's KV block as it last reported it."""
         kv = self.replica.engine_kv
-        fwd.engine_block = kv[0] if kv is not None else None
+        return self.hit_tokens if self.pool.policy.needs_prefix else None, kv[0] if kv else None
 
     async def abandoned(self) -> None:
         """The request does not go to this replica after all (managed placement could not load
@@ -353,3 +478,16 @@ class Dispatch:
         if self.index is not None and len(routed.block_hashes) > known:
             self.replica.unrecords += 1
             await self.index.evict(routed.scope, self.replica.name, routed.block_hashes[known:])
+
+
+@dataclass(slots=True)
+class PdDispatch:
+    """A disaggregated pool's first pair: the prefill and the decode dispatch, and the decode
+    set's routing (its failover candidates)."""
+
+    prefill: Dispatch
+    decode: Dispatch
+    droute: Routing
+
+
+Dispatched = Dispatch | PdDispatch

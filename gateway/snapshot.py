@@ -25,6 +25,8 @@ from prefix_index.persist import read_snapshot, write_snapshot
 
 from .admission import Admission
 from .config import Config
+from .errors import NotFound
+from .openai import ParsedRequest
 from .pools import OnChange, Pool, Update, apply_updates, build_pools
 from .ratelimit import RateLimiter, open_rate_limiter
 from .replicas import ReplicaState
@@ -196,3 +198,22 @@ async def close_quietly(part: PrefixIndex | RateLimiter, what: str) -> None:
         await part.aclose()
     except Exception:
         log.warning("closing %s failed", what, exc_info=True)
+
+
+def pick_pool(snap: Snapshot, req: ParsedRequest, prompt_tokens: int) -> Pool:
+    """The route's pool for the model; a request naming no model (kinds where vLLM allows that)
+    goes to the default pool: the first route that takes any model, else the first pool."""
+    config = snap.config
+    name = config.pool_for(req.model, prompt_tokens) if req.model else default_pool(snap, prompt_tokens)
+    if name is None:
+        model = req.model if len(req.model) <= 64 else req.model[:64] + "…"
+        raise NotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    return snap.pools[name]
+
+
+def default_pool(snap: Snapshot, prompt_tokens: int) -> str:
+    config = snap.config
+    for route in config.routes:
+        if route.match.matches("", prompt_tokens):
+            return route.pool
+    return next(iter(config.pools))

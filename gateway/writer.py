@@ -38,15 +38,25 @@ class ResponseWriter:
     def started(self) -> bool:
         return self._started or (self.lane is not None and self.lane.started)
 
-    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+    async def whole(
+        self, status: int, headers: Headers, body: bytes, close: bool = False
+    ) -> None:
         """The complete answer, framed by a content-length: one write when it can, else the
-        head and the body (in SEND_SLICE slices when large) through `send`."""
+        head and the body (in SEND_SLICE slices when large) through `send`. `close`: the
+        connection closes after it (the body was not read, or the server is full)."""
         self._started = True
         lane = self.lane
-        if lane is not None and len(body) <= SEND_SLICE and lane.whole(status, headers, body):
+        if (
+            lane is not None
+            and not close
+            and len(body) <= SEND_SLICE
+            and lane.whole(status, headers, body)
+        ):
             self._ended = True
             return
         framed = [*headers, (b"content-length", str(len(body)).encode())]
+        if close:
+            framed.append((b"connection", b"close"))
         await self.send({"type": "http.response.start", "status": status, "headers": framed})
         n, start = len(body), 0
         while n - start > SEND_SLICE:

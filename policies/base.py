@@ -25,6 +25,9 @@ GUARD = "guard"
 COLD = "cold"  # no candidate holds any of the prompt's blocks: placed by load and cache balance
 ONLY_CANDIDATE = "only_candidate"
 NO_CANDIDATES = "no_candidates"
+# the request continues state one replica holds (`RoutedRequest.home`: a /v1/responses follow-up
+# of a response it made), and that replica survived the filters: it goes first
+HOME = "previous_response"
 
 
 class Plugin(Protocol):
@@ -183,7 +186,7 @@ class Policy:
             only = survivors[0]
             return Decision(
                 [only.name],
-                ONLY_CANDIDATE,
+                HOME if only.name == req.home else ONLY_CANDIDATE,
                 self.name,
                 filtered=filtered,
                 predicted_hit_blocks=only.hit_blocks,
@@ -210,6 +213,11 @@ class Policy:
         ranked, reason = self.picker.pick(req, survivors, totals)
         if reason == BY_SCORE:
             reason = self._deciding_scorer(ranked, totals, scores)
+        home = req.home
+        if home is not None and home in ranked:  # the replica holding the request's state
+            ranked.remove(home)
+            ranked.insert(0, home)
+            reason = HOME
         winner = ranked[0] if ranked else None
         hit = 0
         for v in survivors:

@@ -27,6 +27,9 @@ class RoutedRequest:
     # the model is a LoRA adapter some replica of the pool serves (or the gateway places): a
     # replica that lists no adapters cannot serve it (vLLM answers 404)
     adapter: bool = False
+    # the replica holding state this request continues (a /v1/responses follow-up of a response
+    # it made): first when it survives the filters (reason `previous_response`)
+    home: str | None = None
 
     @property
     def n_blocks(self) -> int:

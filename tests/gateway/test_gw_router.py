@@ -101,10 +101,10 @@ async def test_blocks_count_at_dispatch_and_a_failed_dispatch_takes_them_back() 
         pool = gateway.pools["chat"]
         body = chat(text("fail-doc", 512) + "\nq?")
         parsed = parse_body("chat", orjson.dumps(body))
-        routing = gateway.router.prepare(
-            parsed, pool, RouteInput("probe"), gateway.router.prompt(parsed)
+        routing = await gateway.router.route(
+            parsed, pool, gateway.router.prompt(parsed), RouteInput("probe")
         )
-        await gateway.router.decide(pool, routing)
+        gateway.router.choose(pool, routing)
         routed = routing.routed
         n = len(routed.block_hashes)
         assert n and not any(routing.hits.values())
@@ -138,10 +138,9 @@ async def test_dead_replica_dispatch_is_taken_back_and_the_retry_keeps_the_block
             gateway = app.gateway
             pool = gateway.pools["chat"]
             parsed = parse_body("chat", orjson.dumps(body))
-            routing = gateway.router.prepare(
-                parsed, pool, RouteInput("probe"), gateway.router.prompt(parsed)
+            routing = await gateway.router.route(
+                parsed, pool, gateway.router.prompt(parsed), RouteInput("probe")
             )
-            await gateway.router.match(pool, routing)
             n = len(routing.routed.block_hashes)
             assert routing.hits.get("r0", 0) == 0 and routing.hits["r1"] == n
         finally:

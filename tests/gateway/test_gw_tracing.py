@@ -40,7 +40,7 @@ from gateway.tracing import (
     resolve,
     resolve_exporter,
 )
-from policies.base import COLD, GUARD, NO_CANDIDATES, ONLY_CANDIDATE, TIE
+from policies.base import COLD, GUARD, HOME, NO_CANDIDATES, ONLY_CANDIDATE, TIE
 from policies.registry import TABLE, _lookup
 from simulator.harness import free_port
 from tests.gateway.fake_replica import Upstream
@@ -669,7 +669,7 @@ def test_the_attribute_tables_are_the_code(heading: str, names: Any) -> None:
 def test_the_values_the_docs_name_exist() -> None:
     root = doc_table("Attributes of `gateway.request`")
     scorers = {_lookup("scorer", name, "").reason for name in TABLE["scorer"]}
-    reasons = scorers | {TIE, COLD, GUARD, ONLY_CANDIDATE, NO_CANDIDATES} | set(TABLE["picker"])
+    reasons = scorers | {TIE, COLD, GUARD, ONLY_CANDIDATE, NO_CANDIDATES, HOME} | set(TABLE["picker"])
     gateway_src = "".join(p.read_text() for p in (DOCS.parents[1] / "gateway").glob("*.py"))
     reasons |= set(re.findall(r'\breason = "(\w+)"', gateway_src))  # set by the gateway itself
     named = {v for v in ticked(root["gateway.route.reason"][1]) if re.fullmatch(r"\w+", v)}

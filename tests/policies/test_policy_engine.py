@@ -164,3 +164,26 @@ def test_policy_rejects_bad_weights(weight: object, error: type[Exception]) -> N
 def test_policy_rejects_duplicate_scorer_names() -> None:
     with pytest.raises(ValueError, match="prefix"):
         Policy("t", scorers=[(PrefixScorer(), 1), (PrefixScorer(), 2)], picker=RoundRobinPicker())
+
+
+@pytest.mark.parametrize(
+    ("home", "ranked", "reason", "hit"),
+    [
+        (None, ["b", "c", "a"], "prefix", 4),  # no state elsewhere: the policy's own order
+        ("a", ["a", "b", "c"], "previous_response", 1),  # the replica holding the response first
+        ("b", ["b", "c", "a"], "previous_response", 4),  # already first: still its reason
+        ("down", ["b", "c", "a"], "prefix", 4),  # filtered out: the follow-up goes elsewhere
+    ],
+)
+def test_a_home_replica_that_survives_the_filters_goes_first(
+    home: str | None, ranked: list[str], reason: str, hit: int
+) -> None:
+    """`RoutedRequest.home` (a /v1/responses follow-up's replica) is an input of the policy:
+    first when it survived the filters, with the reason `previous_response` and its own hit."""
+    views = [ReplicaView("a", hit_blocks=1), ReplicaView("down", healthy=False),
+             ReplicaView("b", hit_blocks=4), ReplicaView("c", hit_blocks=2)]  # fmt: skip
+    req = RoutedRequest("r", "m", "m", "p", 64, (1, 2, 3, 4), 16.0, home=home)
+    decision = _policy((PrefixScorer(), 1.0)).choose(req, views)
+    assert (decision.ranked, decision.reason, decision.predicted_hit_blocks) == (ranked, reason, hit)
+    only = _policy((PrefixScorer(), 1.0)).choose(req, [ReplicaView(home or "x", hit_blocks=2)])
+    assert only.reason == ("previous_response" if home else "only_candidate")
