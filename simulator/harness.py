@@ -21,6 +21,8 @@ import uvicorn
 if TYPE_CHECKING:
     import aiohttp
 
+    from simulator.pd import Protocol as PdProtocol
+
     Lifespan = Literal["auto", "on", "off"]
 
 Receive = Callable[[], Awaitable[Any]]
@@ -134,8 +136,9 @@ async def simulated_fleet(n: int, *sim_args: str, port: int = 0) -> AsyncIterato
 
 
 @contextlib.asynccontextmanager
-async def pd_fleets(n_prefill: int = 1, n_decode: int = 1, protocol: str = "vllm-nixl", *,
-                    speedup: float = 200.0, **kw: Any) -> AsyncIterator[tuple[Any, Any]]:
+async def pd_fleets(n_prefill: int = 1, n_decode: int = 1,
+                    protocol: PdProtocol = "vllm-nixl", *, speedup: float = 200.0,
+                    **kw: Any) -> AsyncIterator[tuple[Any, Any]]:
     """In-process P/D replicas (simulator/pd.py): (prefill Fleet, decode Fleet). `kw`: Fleet
     options, plus PdOptions fields (kv_link_gbps, lease_s, load_failure_policy, ...)."""
     from dataclasses import fields
