@@ -35,7 +35,8 @@ from bench.shapes import SHAPES, ShapedRequest, to_sim_requests
 from gateway import Config, create_app, parse_config
 from simulator.config import build_config
 from simulator.des import SimRequest
-from simulator.harness import serving, simulated_fleet
+from simulator.fleet import simulated_fleet
+from simulator.harness import serving
 from simulator.kv_cache import block_hashes
 from simulator.stats import percentile
 from simulator.workloads import text

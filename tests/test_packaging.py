@@ -50,8 +50,8 @@ def test_wheel_ships_the_runtime_packages_and_no_bench(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if "/" in n and ".dist-info/" not in n}
     assert tops == SHIPPED, f"the wheel ships {sorted(tops)}"
-    assert "simulator/demo.py" in names and "simulator/harness.py" in names
-    assert "gateway/demo.py" not in names
+    assert "gateway/demo.py" in names and "simulator/harness.py" in names
+    assert "simulator/demo.py" not in names
     assert any(n.startswith("gateway/static/") for n in names)  # the dashboard
     assert any(n.startswith("simulator/profiles/") and n.endswith(".yaml") for n in names)
 

@@ -230,7 +230,7 @@ async def test_sglang_decode_without_its_prefill_times_out_500(http: httpx.Async
 
 
 async def test_cli_roles_serve_the_nixl_flow_between_processes(http: httpx.AsyncClient) -> None:
-    from simulator.harness import simulated_fleet
+    from simulator.fleet import simulated_fleet
 
     async with simulated_fleet(1, "--role", "prefill", "--speedup", "200") as p, \
             simulated_fleet(1, "--role", "decode", "--speedup", "200",
