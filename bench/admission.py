@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
+from bench.harness import serving
 from gateway import create_app, parse_config
 from gateway.demo import stream_chat
 from simulator.fleet import simulated_fleet
-from simulator.harness import serving
 from simulator.workloads import text
 
 MODEL = "qwen2.5-14b"
