@@ -51,8 +51,10 @@ def test_wheel_ships_the_runtime_packages_and_no_bench(tmp_path: Path) -> None:
     tops = {n.split("/")[0] for n in names if "/" in n and ".dist-info/" not in n}
     assert tops == SHIPPED, f"the wheel ships {sorted(tops)}"
     assert "gateway/demo.py" in names and "simulator/fleet.py" in names
-    # the demo is the gateway's; the test and bench harness is the dev side's (bench/)
-    assert not {"simulator/demo.py", "simulator/harness.py"} & set(names)
+    # the demo is the gateway's; the test and bench harness and the simulator's calibration,
+    # fidelity and report tools are the dev side's (bench/)
+    dev = {"demo", "harness", "calibrate", "fidelity", "report"}
+    assert not {f"simulator/{m}.py" for m in dev} & set(names)
     assert any(n.startswith("gateway/static/") for n in names)  # the dashboard
     assert any(n.startswith("simulator/profiles/") and n.endswith(".yaml") for n in names)
 
