@@ -27,4 +27,4 @@ test: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check gateway prefix_index policies simulator bench tests
-	$(VENV)/bin/mypy gateway prefix_index policies
+	$(VENV)/bin/mypy gateway prefix_index policies simulator

@@ -33,8 +33,10 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
+from bench.harness import serving
 from gateway import create_app, parse_config
-from simulator.harness import serving, simulated_fleet, stream_chat
+from gateway.demo import stream_chat
+from simulator.fleet import simulated_fleet
 from simulator.workloads import text
 
 MODEL = "qwen2.5-14b"

@@ -40,11 +40,11 @@ import orjson
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench import verdict
+from bench.harness import free_port, lifespan_done, read_body, start_server
 from gateway import create_app
 from gateway.config import load_config
 from gateway.tracing import Tracing
 from simulator.fleet import Fleet
-from simulator.harness import free_port, lifespan_done, read_body, start_server
 from simulator.workloads import text
 
 MODEL = "qwen2.5-14b"

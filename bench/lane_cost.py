@@ -37,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     from bench import in_process
+    from bench.harness import free_port
     from bench.overhead import gateway_config, policy_variant
     from gateway import create_app, parse_config
     from gateway.http_protocol import BodyWriter
-    from simulator.harness import free_port
 
     def refuse(self: BodyWriter, *a: Any) -> bool:
         return False

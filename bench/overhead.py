@@ -34,8 +34,8 @@ import httptools
 import orjson
 import yaml
 
+from bench.harness import free_port, stop_processes
 from policies.registry import DEFAULT_POLICY
-from simulator.harness import free_port, stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 GATEWAY_BIN = Path(sys.executable).parent / "gateway"

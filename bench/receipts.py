@@ -31,10 +31,10 @@ import aiohttp
 from bench.access_log import access_lines
 from bench.engine.fleet import BLOCK_SIZE, EngineFleet, engine_python, post, reset_prefix_cache
 from bench.engine.model import VOCAB, make_model_dir
+from bench.harness import serving
 from bench.routing_workloads import trace_records
 from bench.shapes import SHAPES, ShapedRequest
 from gateway import create_app, parse_config
-from simulator.harness import serving
 
 MODEL = "tiny"
 MODES = ("bytes", "tokens")

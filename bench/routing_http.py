@@ -30,12 +30,13 @@ import aiohttp
 import orjson
 
 from bench.access_log import access_lines
+from bench.harness import serving
 from bench.routing_workloads import ENGINE, TRACE_ENGINE, profile
 from bench.shapes import SHAPES, ShapedRequest, to_sim_requests
 from gateway import Config, create_app, parse_config
 from simulator.config import build_config
 from simulator.des import SimRequest
-from simulator.harness import serving, simulated_fleet
+from simulator.fleet import simulated_fleet
 from simulator.kv_cache import block_hashes
 from simulator.stats import percentile
 from simulator.workloads import text

@@ -44,10 +44,11 @@ import aiohttp
 import orjson
 import yaml
 
+from bench.harness import free_port, stop_processes
 from bench.routing_http import RUNS, Record, build, kv_tokens, send, simulator_args
 from bench.shapes import ShapedRequest
 from gateway.config_sections import FleetConfig
-from simulator.harness import free_port, simulated_fleet, stop_processes
+from simulator.fleet import simulated_fleet
 from simulator.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent

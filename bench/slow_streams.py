@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httptools
 
+from bench.harness import free_port, stop_processes
 from bench.overhead import (
     PACED_MODEL,
     Variant,
@@ -43,7 +44,6 @@ from bench.overhead import (
     start_gateway,
     wait_ready,
 )
-from simulator.harness import free_port, stop_processes
 
 FD_SPARE = 200  # listening sockets, probes, scrapes, logs: a gateway's fds besides streams
 

@@ -43,7 +43,7 @@ import orjson
 import yaml
 
 from bench import verdict
-from simulator.harness import free_port, server_config
+from bench.harness import free_port, server_config
 
 TASKS_PATH = "/__soak/tasks"
 KEYS = ("sk-soak-tenant-one-1f2e3d", "sk-soak-tenant-two-4c5b6a")

@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     from bench import in_process
+    from bench.harness import free_port
     from bench.overhead import gateway_config, policy_variant, traced
     from gateway import create_app, parse_config
-    from simulator.harness import free_port
 
     gw_cpu, load_cpu = sorted(os.sched_getaffinity(0))[:2]  # as bench.overhead pins them
     os.sched_setaffinity(0, {gw_cpu})  # this process: the gateway's threads

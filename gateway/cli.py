@@ -132,15 +132,12 @@ def serve(
     uvicorn.Server(uvicorn.Config(app, **common)).run()  # type: ignore[arg-type]
 
 
-DEMO_MODULE = "simulator.demo"  # not the gateway's: imported only when `gateway demo` runs
 DEMO_NEEDS = ("simulator", "aiohttp")  # the simulator package and the demo's load client
 
 
 def _demo(argv: Sequence[str]) -> int:
-    import importlib
-
     try:
-        demo = importlib.import_module(DEMO_MODULE)
+        from . import demo  # gateway/demo.py, imported only when `gateway demo` runs
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").partition(".")[0]
         if missing not in DEMO_NEEDS:
@@ -151,7 +148,7 @@ def _demo(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    return int(demo.main(argv))
+    return demo.main(argv)
 
 
 PLAN_MODULE = "simulator.plan"  # the simulator's performance model, imported only by `gateway plan`

@@ -1,7 +1,7 @@
 """A vLLM-like replica without a GPU: the performance model, the HTTP server, the DES mode.
 
-See docs/simulator.md. Nothing here imports from the gateway, the index or the policies, except `simulator/demo.py`
-(the `gateway demo` command, which composes the simulator and the gateway).
+See docs/simulator.md. Nothing here imports from the gateway, the index or the policies (the
+gateway's `demo` command, gateway/demo.py, is what composes the simulator and the gateway).
 """
 
 from simulator.config import EngineConfig, OutputLengths, build_config

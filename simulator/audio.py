@@ -45,10 +45,10 @@ def parse_form(raw: bytes, content_type: str) -> dict[str, tuple[bytes, bool]]:
         for line in head.split(b"\r\n"):
             if line.lower().startswith(b"content-disposition:"):
                 for p in line.split(b";")[1:]:
-                    k, _, v = p.strip().partition(b"=")
-                    if k.lower() == b"name":
-                        name = v.strip(b'"').decode("utf-8", "replace")
-                    elif k.lower() == b"filename":
+                    key, _, val = p.strip().partition(b"=")
+                    if key.lower() == b"name":
+                        name = val.strip(b'"').decode("utf-8", "replace")
+                    elif key.lower() == b"filename":
                         is_file = True
         parts.setdefault(name, (value, is_file))
     return parts

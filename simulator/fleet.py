@@ -1,4 +1,5 @@
-"""Many replicas in the current event loop, each on its own port; kill and restart one.
+"""Many replicas in the current event loop, each on its own port; kill and restart one. Or the
+same fleet in a child process (`simulated_fleet`: `python -m simulator`, as `gateway demo` runs it).
 
 `async with Fleet(n=4, model="qwen2.5-14b", gpu="a100-80g", speedup=100.0) as fleet: ...`
 """
@@ -6,7 +7,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import sys
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -142,3 +146,26 @@ class Fleet:
             self.kv_events[i] = old.kv_events_options  # the ports it bound
         self.replicas[i] = self._replica(i, old.port)
         await self.replicas[i].start()
+
+
+@contextlib.asynccontextmanager
+async def simulated_fleet(n: int, *sim_args: str, port: int = 0) -> AsyncIterator[list[str]]:
+    """`python -m simulator --replicas n --port PORT *sim_args` in a subprocess (replica i on
+    PORT + i; 0: ephemeral ports); yields its URLs."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "simulator", "--replicas", str(n), "--port", str(port), *sim_args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    urls: list[str] = []
+    assert proc.stdout is not None
+    try:
+        while len(urls) < n:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            if not line:
+                raise RuntimeError("the simulator exited before it was ready")
+            urls += [w for w in line.split() if w.startswith("http://")]
+        yield urls
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        await proc.wait()

@@ -183,7 +183,7 @@ class ResponsesService:
         item = {"id": a.msg_id, "type": "message", "role": "assistant", "status": "in_progress",
                 "content": []}
         where = {"item_id": a.msg_id, "output_index": 0, "content_index": 0}
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": None}
+        part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": None}
         try:
             yield event("response.created", response=a.response("in_progress"))
             yield event("response.in_progress", response=a.response("in_progress"))

@@ -87,9 +87,11 @@ def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: 
     skip = -1
     if tools:
         first = messages[0] if messages else None
-        lead = isinstance(first, Mapping) and first.get("role") in ("system", "developer")
-        out.append(tools_block(render_content(first.get("content")) if lead else None, tools))
-        skip = 0 if lead else -1
+        lead = (first if isinstance(first, Mapping) and first.get("role") in ("system", "developer")
+                else None)
+        out.append(tools_block(None if lead is None else render_content(lead.get("content")),
+                               tools))
+        skip = -1 if lead is None else 0
     for i, m in enumerate(messages):
         if i == skip:
             continue
@@ -456,7 +458,7 @@ def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     if at in ([], [0]):
         return msgs
     texts = [c if isinstance(c, str) else "\n".join(str(p.get("text", "")) for p in c)
-             for c in (msgs[i].get("content") for i in at)]
+             for c in (msgs[i]["content"] for i in at)]  # _engine_messages sets every one
     return [{"role": "system", "content": "\n\n".join(t for t in texts if t)},
             *(m for m in msgs if m.get("role") != "system")]
 

@@ -1,7 +1,7 @@
 """Test-only helpers: polling for a condition, a `gateway --config` process and its readiness,
 headless Chromium on a page.
 
-Servers, ports and fleets come from the shared harness (`simulator.harness`), re-exported here.
+Servers and ports come from the dev harness (`bench/harness.py`, not in the wheel), re-exported here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import aiohttp
 import yaml
 
-from simulator.harness import Served, free_port, serving, start_server
+from bench.harness import Served, free_port, serving, start_server
 
 __all__ = [
     "CHROMIUM", "Served", "at_once", "chromium", "free_port", "gateway_process", "poll_until",

@@ -50,8 +50,11 @@ def test_wheel_ships_the_runtime_packages_and_no_bench(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if "/" in n and ".dist-info/" not in n}
     assert tops == SHIPPED, f"the wheel ships {sorted(tops)}"
-    assert "simulator/demo.py" in names and "simulator/harness.py" in names
-    assert "gateway/demo.py" not in names
+    assert "gateway/demo.py" in names and "simulator/fleet.py" in names
+    # the demo is the gateway's; the test and bench harness and the simulator's calibration,
+    # fidelity and report tools are the dev side's (bench/)
+    dev = {"demo", "harness", "calibrate", "fidelity", "report"}
+    assert not {f"simulator/{m}.py" for m in dev} & set(names)
     assert any(n.startswith("gateway/static/") for n in names)  # the dashboard
     assert any(n.startswith("simulator/profiles/") and n.endswith(".yaml") for n in names)
 
@@ -111,10 +114,10 @@ class Refuse(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Refuse())
 
 import opentelemetry.exporter.otlp.proto.http.trace_exporter  # the default OTLP exporter
+import uvicorn
 from gateway import create_app, parse_config
 from gateway.cli import main as gateway_main
 from simulator.fleet import Fleet
-from simulator.harness import start_server
 
 
 def call(url, body=None):
@@ -130,17 +133,24 @@ def call(url, body=None):
 async def main():
     async with Fleet(n=1, speedup=1000.0) as fleet:
         pool = {"replicas": fleet.urls, "health": {"interval_s": 0.05}}
-        gw = await start_server(create_app(parse_config({"pools": {"chat": pool}})), lifespan="on")
+        app = create_app(parse_config({"pools": {"chat": pool}}))
+        gw = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on",
+                                           log_config=None, access_log=False, loop="none"))
+        task = asyncio.create_task(gw.serve())
+        while not (gw.started or task.done()):
+            await asyncio.sleep(0.01)
+        url = f"http://127.0.0.1:{gw.servers[0].sockets[0].getsockname()[1]}"
         try:
             for _ in range(200):
-                if (await asyncio.to_thread(call, gw.url + "/ready"))[0] == 200:
+                if (await asyncio.to_thread(call, url + "/ready"))[0] == 200:
                     break
                 await asyncio.sleep(0.05)
             body = {"model": fleet.replicas[0].model_name, "max_tokens": 4,
                     "messages": [{"role": "user", "content": "hello"}]}
-            status, answer = await asyncio.to_thread(call, gw.url + "/v1/chat/completions", body)
+            status, answer = await asyncio.to_thread(call, url + "/v1/chat/completions", body)
         finally:
-            await gw.stop()
+            gw.should_exit = True
+            await task
     print(json.dumps({"status": status, "object": (answer or {}).get("object")}))
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from simulator.harness import free_port
+from bench.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from simulator.harness import free_port
+from bench.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BODY = {"model": "bench-model", "messages": [{"role": "user", "content": "hi"}]}

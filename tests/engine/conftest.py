@@ -18,8 +18,8 @@ import pytest
 
 from bench.engine.fleet import EngineFleet, engine_python, missing
 from bench.engine.model import make_model_dir, tokenizer_dir
+from bench.harness import Served, serving
 from gateway import create_app, parse_config
-from simulator.harness import Served, serving
 from tests.vllm_facts import MAX_MODEL_LEN, MODEL
 
 KV_BLOCKS = 384  # 12,288 tokens a replica: a few 3K-token prompts evict the oldest

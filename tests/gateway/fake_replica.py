@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from simulator.harness import lifespan_done, read_body
+from bench.harness import lifespan_done, read_body
 
 
 @dataclass

@@ -14,8 +14,8 @@ import httpx
 import orjson
 import pytest
 
+from bench.harness import read_body
 from gateway.errors import ERROR_TYPES
-from simulator.harness import read_body
 from tests.gateway.conftest import rig
 from tests.gateway.fake_replica import Upstream
 

@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 import pytest
 
+from bench.harness import lifespan_done, read_body
 from gateway import create_app, parse_config
 from gateway.config import ConfigError
 from gateway.lora import (
@@ -30,7 +31,6 @@ from gateway.lora import (
 from gateway.lora_placement import LoraPlacement
 from gateway.runtime import Gateway
 from simulator.fleet import Fleet
-from simulator.harness import lifespan_done, read_body
 from simulator.lora import LoraConfig
 from tests.support import Served, poll_until, start_server
 

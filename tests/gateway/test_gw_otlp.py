@@ -27,10 +27,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import SecretStr
 
+from bench.harness import free_port
 from gateway import create_app, parse_config
 from gateway.otlp import OtlpHttpSink
 from gateway.tracing import SEGMENTS, RequestTrace, SdkSpans, Tracing, TracingConfig
-from simulator.harness import free_port
 from tests.gateway.fake_replica import Upstream
 from tests.support import start_server
 

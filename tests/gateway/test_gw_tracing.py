@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from pydantic import SecretStr, ValidationError
 
+from bench.harness import free_port
 from gateway import create_app, parse_config
 from gateway.errors import ERROR_TYPES
 from gateway.failover import attempt_outcome
@@ -42,7 +43,6 @@ from gateway.tracing import (
 )
 from policies.base import COLD, GUARD, HOME, NO_CANDIDATES, ONLY_CANDIDATE, TIE
 from policies.registry import TABLE, _lookup
-from simulator.harness import free_port
 from tests.gateway.fake_replica import Upstream
 from tests.support import start_server
 

@@ -20,6 +20,7 @@ from typing import Any, TypedDict
 import pytest
 import uvloop
 
+from bench.harness import read_body
 from gateway.http_client import (
     HIGH_WATER_BYTES,
     HttpClient,
@@ -29,7 +30,6 @@ from gateway.http_client import (
     UpstreamResponse,
     UpstreamTooLargeError,
 )
-from simulator.harness import read_body
 from tests.support import free_port, poll_until, serving
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {

@@ -1,4 +1,4 @@
-"""`python -m simulator` and `python -m simulator.report`, run as an operator would."""
+"""`python -m simulator`, run as an operator would; the package's public surface."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import httpx
 import pytest
 
 import simulator
-from simulator import report
-from simulator.profiles import load_gpus, load_models
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,27 +48,6 @@ async def test_cli_rejects_a_bad_configuration() -> None:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=ROOT)
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2 and b"unknown model 'gpt-9'" in err
-
-
-def test_capacity_table_lists_every_model_and_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    assert report.main(["--table", "capacity"]) == 0
-    out = capsys.readouterr().out
-    # the engine's rule: 79.2 GiB x 0.9 - 26 GB weights - activation peak - 1 GiB non-torch
-    assert "| llama-2-13b | a100-80g | 1 | 26.0 | 819,200 | 48.6 |" in out
-    assert "| qwen2.5-14b | a100-80g | 1 |" in out and "| llama-3.1-70b | h200 | 2 |" in out
-    assert "| deepseek-v3 | h200 | 8 |" in out and "| deepseek-v3 | a100-80g | > 8 |" in out
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) - 1 == len(load_models()) * len(load_gpus())
-
-
-async def test_prefix_cache_cuts_ttft_in_the_report_workload() -> None:
-    rows = await report.cache_rows("qwen2.5-14b", "a100-80g", [1.0], 120, seed=0)
-    on, off = rows
-    assert on["cache"] == "on" and off["cache"] == "off"
-    assert float(on["hit_ratio"]) > 0.85 and float(off["hit_ratio"]) == 0.0
-    # both pay the request latency outside the engine (about 60 ms for 2,100 tokens)
-    assert float(on["ttft_p50"]) < float(off["ttft_p50"]) / 3
-    assert "| 1 | on |" in report.cache_table(rows)
 
 
 def test_public_surface() -> None:

@@ -1,4 +1,5 @@
-"""Discrete-event mode: determinism, fused decode runs, stale views, routers and callbacks."""
+"""Discrete-event mode: determinism, fused decode runs, stale views, routers and callbacks,
+closed-loop clients."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 import pytest
 
 from simulator import Cluster, ReplicaLoad, RequestRecord, SimRequest, chat_requests, run
-from simulator.des import RoundRobin
+from simulator.des import ClosedLoop, RoundRobin, fixed_length_users
 from simulator.workloads import multi_turn, shared_prompts
 
 
@@ -150,3 +151,44 @@ def test_cluster_engines_expose_true_state() -> None:
     e = cluster.engines[0]
     assert (e.num_waiting, e.num_running, e.kv_usage) == (0, 0, 0.0)
     assert e.cached_prefix_tokens(list(range(100))) == 0
+
+
+async def test_closed_loop_clients_send_after_each_reply_and_think() -> None:
+    made: list[tuple[int, int]] = []
+
+    def next_request(user: int, k: int) -> SimRequest | None:
+        if k >= 3:
+            return None
+        made.append((user, k))
+        return SimRequest(f"u{user}-{k}", 0.0, list(range(user * 500, user * 500 + 200)), 20)
+
+    loop = ClosedLoop(4, next_request, think_time_s=0.5)
+    res = await run(loop, Cluster(1, "qwen2.5-14b", "h100", seed=0), RoundRobin())
+    assert len(res.records) == 12 and sorted(made) == [(u, k) for u in range(4) for k in range(3)]
+    by_user: dict[str, list] = {}
+    for r in res.records:
+        by_user.setdefault(r.id.split("-")[0], []).append(r)
+    for recs in by_user.values():
+        assert recs[0].arrival_s == 0.0
+        for prev, nxt in zip(recs, recs[1:], strict=False):
+            assert nxt.arrival_s == pytest.approx(prev.finish_s + 0.5)
+    # never more than 4 requests outstanding
+    events = sorted([(r.arrival_s, 1) for r in res.records] + [(r.finish_s, -1) for r in res.records],
+                    key=lambda e: (e[0], e[1]))
+    live = peak = 0
+    for _, d in events:
+        live += d
+        peak = max(peak, live)
+    assert peak <= 4
+
+
+async def test_ttft_includes_the_request_latency_and_concurrency_queues() -> None:
+    ttft = {}
+    for c in (1, 16):
+        cluster = Cluster(1, "llama-3.1-8b", "h100", seed=0, max_model_len=4096)
+        users = fixed_length_users(c, 1024, 64, requests_per_user=2)
+        recs = (await run(users, cluster, RoundRobin())).records
+        ttft[c] = sum(r.ttft_s for r in recs) / len(recs)
+        perf = cluster.config.perf
+        assert min(r.ttft_s for r in recs) >= perf.request_latency_s(1024)
+    assert ttft[16] > 2 * ttft[1]  # a burst of 16 prompts queues for the token budget

@@ -230,7 +230,7 @@ async def test_sglang_decode_without_its_prefill_times_out_500(http: httpx.Async
 
 
 async def test_cli_roles_serve_the_nixl_flow_between_processes(http: httpx.AsyncClient) -> None:
-    from simulator.harness import simulated_fleet
+    from simulator.fleet import simulated_fleet
 
     async with simulated_fleet(1, "--role", "prefill", "--speedup", "200") as p, \
             simulated_fleet(1, "--role", "decode", "--speedup", "200",
@@ -242,11 +242,3 @@ async def test_cli_roles_serve_the_nixl_flow_between_processes(http: httpx.Async
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert (await pd_stats(http, d[0]))["transfers"] == 1
         assert (await pd_stats(http, p[0]))["held_blocks"] == 0
-
-
-async def test_harness_pd_fleets() -> None:
-    from simulator.harness import pd_fleets
-
-    async with pd_fleets(1, 2, "sglang", model=MODEL, lease_s=5.0) as (p, d):
-        assert len(d.urls) == 2 and p.replicas[0].pd is not None
-        assert p.replicas[0].pd.opts.lease_s == 5.0 and d.replicas[1].pd.opts.role == "decode"

@@ -195,3 +195,14 @@ def test_ttft_of_a_fully_cached_prompt_is_far_below_an_uncached_one() -> None:
     assert cold == pytest.approx(engine.perf.step_overhead_s + engine.perf.prefill_time(4000))
     assert warm < cold / 20
     assert engine.counters.cached_prompt_tokens == 4000 - 16  # the last block is recomputed
+
+
+def test_fp8_kv_doubles_the_capacity_but_decodes_at_the_16_bit_read_time() -> None:
+    m, g = get_model("llama-3.1-70b"), get_gpu("h200")
+    bf16 = PerfModel(m, g, tp=1, weight_dtype="fp8")
+    fp8 = PerfModel(m, g, tp=1, weight_dtype="fp8", kv_cache_dtype="fp8")
+    assert fp8.kv_capacity_tokens == pytest.approx(2 * bf16.kv_capacity_tokens, abs=2)
+    assert fp8.kv_read_s_per_token == pytest.approx(bf16.kv_read_s_per_token)
+    # the calibration data's saturated H200 TP 1 rows (bench/fidelity.py) need it: 32 clients
+    # of 8K + 1K hold ~295K tokens
+    assert bf16.kv_capacity_tokens < 32 * 9216 < fp8.kv_capacity_tokens

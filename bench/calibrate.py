@@ -1,6 +1,6 @@
 """Fit the performance model's free parameters to measured closed-loop benchmarks.
 
-    python -m simulator.calibrate DATA.csv [--split cal] [--out PROFILE.yaml]
+    python -m bench.calibrate DATA.csv [--split cal] [--out PROFILE.yaml]
 
 Fits, by weighted least squares on relative error (no per-row terms, nothing looked up):
 
@@ -24,7 +24,7 @@ The KV cache dtype the benchmarks ran with is not in the CSV: `infer_kv_dtypes` 
 GPU from the rows that overflow the cache under some candidate (replayed under each).
 
 The profile written is a YAML of `gpus:` and `engines:` fields that
-`python -m simulator.fidelity --profile` and `Profiles.load` put over the shipped ones.
+`python -m bench.fidelity --profile` and `Profiles.load` put over the shipped ones.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from simulator.fidelity import (
+from bench.fidelity import (
     REQUESTS_PER_CLIENT,
     KvChoice,
     Profiles,
@@ -187,14 +187,14 @@ def fit(rows: Sequence[Row], profiles: Profiles, *, kv_cache_dtype: KvChoice = "
 def write_profile(path: str | Path, result: Fit, profiles: Profiles, source: str,
                   part: str) -> None:
     gpus, engines = result.overrides(profiles)
-    header = (f"# Fitted by `python -m simulator.calibrate {source} --split {part}`.\n"
-              "# Load with `python -m simulator.fidelity DATA.csv --profile THIS_FILE`.\n")
+    header = (f"# Fitted by `python -m bench.calibrate {source} --split {part}`.\n"
+              "# Load with `python -m bench.fidelity DATA.csv --profile THIS_FILE`.\n")
     Path(path).write_text(header + yaml.safe_dump({"gpus": gpus, "engines": engines},
                                                   sort_keys=True), "utf-8")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m simulator.calibrate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", help="CSV of measured closed-loop benchmarks")
     ap.add_argument("--split", choices=("all", "cal", "test"), default="cal",

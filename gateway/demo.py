@@ -1,26 +1,30 @@
 """`gateway demo`: 4 simulated replicas, the gateway on embedded defaults, one shared-prefix workload
 replayed through it with round robin and with the default policy, and the comparison printed.
 
-The one simulator module that imports the gateway: the demo composes the two (`gateway demo` loads
-it lazily). Times are simulated seconds (wall time × the simulator's speedup), what the same run
-would take on the GPUs the simulator models.
+The one gateway module that imports the simulator: the demo composes the two, and `gateway demo`
+imports it only when it runs (its load client is aiohttp, the `demo` extra). Times are simulated
+seconds (wall time × the simulator's speedup), what the same run would take on the GPUs the
+simulator models.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
+import uvicorn
 
 from gateway import Config, create_app, parse_config
+from gateway.app import GatewayApp
 from policies.registry import DEFAULT_POLICY
-from simulator.harness import serving, simulated_fleet, stream_chat
+from simulator.fleet import simulated_fleet
 from simulator.workloads import WorkItem, shared_prompts
 
 SIM_ARGS = [
@@ -77,6 +81,61 @@ def _demo_config(urls: Sequence[str], policy: str) -> Config:
     )
 
 
+@contextlib.asynccontextmanager
+async def _serving(app: GatewayApp, port: int) -> AsyncIterator[str]:
+    """The gateway served on 127.0.0.1:`port` (0: a free one) in this event loop, its lifespan on;
+    yields its URL once it listens (within 15 s). Signals stay with `asyncio.run`; no logging
+    config, no access log, two seconds of graceful shutdown on the way out."""
+    server = uvicorn.Server(uvicorn.Config(
+        app, host="127.0.0.1", port=port, lifespan="on", log_config=None, access_log=False,
+        loop="none", http="httptools", timeout_graceful_shutdown=2,
+    ))  # fmt: skip
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    task = asyncio.create_task(server.serve())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15.0
+    while not (server.started or task.done()):  # noqa: ASYNC110 - uvicorn offers no event
+        if loop.time() > deadline:
+            server.should_exit = True
+            await task
+            raise RuntimeError("the gateway did not start within 15 s")
+        await asyncio.sleep(0.005)
+    if task.done():
+        task.result()
+        raise RuntimeError("the gateway exited during startup")
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: Mapping[str, str] | None = None,
+    on_first: Callable[[], None] | None = None,
+) -> int:
+    """POST a streamed chat request (`body`, JSON) to `url`/v1/chat/completions and read the answer
+    to its end; `on_first()` runs when the first chunk with content arrives. Returns the status
+    (the body of a non-200 answer is read and dropped). aiohttp's errors reach the caller. The
+    demo's load client; bench/admission.py's too."""
+    async with session.post(
+        url + "/v1/chat/completions",
+        data=body,
+        headers={"content-type": "application/json", **(headers or {})},
+    ) as res:
+        if res.status != 200:
+            await res.read()
+            return res.status
+        async for chunk in res.content.iter_any():
+            if on_first is not None and b'"content"' in chunk:
+                on_first()
+                on_first = None
+        return 200
+
+
 async def _one(h: aiohttp.ClientSession, url: str, item: WorkItem, model: str) -> float | None:
     """Wall seconds to the first content chunk of a streamed answer; None for an error."""
     body = {
@@ -112,11 +171,11 @@ async def run_policy(
     sim_args = ("--speedup", str(speedup), *SIM_ARGS)
     async with (
         simulated_fleet(replicas, *sim_args, port=replica_port) as urls,
-        serving(create_app(_demo_config(urls, policy)), port, lifespan="on") as gw,
+        _serving(create_app(_demo_config(urls, policy)), port) as gw_url,
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as h,
     ):
         if show:
-            print(f"  {policy}: gateway {gw.url}, replicas {' '.join(urls)}", flush=True)
+            print(f"  {policy}: gateway {gw_url}, replicas {' '.join(urls)}", flush=True)
         t_start = time.perf_counter()
 
         async def fire(item: WorkItem) -> None:
@@ -124,7 +183,7 @@ async def run_policy(
             delay = item.arrival_s / speedup - (time.perf_counter() - t_start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            ttft = await _one(h, gw.url, item, "qwen2.5-14b")
+            ttft = await _one(h, gw_url, item, "qwen2.5-14b")
             if ttft is None:
                 errors += 1
             else:

@@ -1,4 +1,4 @@
-"""`python -m simulator.report`: the tables docs/simulator.md shows, computed by the simulator.
+"""`python -m bench.sim_report`: the tables docs/simulator.md shows, computed by the simulator.
 
 (1) TTFT with the prefix cache on and off (discrete-event mode, one replica); (2) KV per token
 and concurrency per shipped model and GPU.
@@ -88,7 +88,7 @@ def capacity_table(seq_len: int = 4096) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m simulator.report")
+    ap = argparse.ArgumentParser(prog="python -m bench.sim_report")
     ap.add_argument("--model", default="qwen2.5-14b")
     ap.add_argument("--gpu", default="a100-80g")
     ap.add_argument("--rates", default="0.5,1,2", help="arrival rates, req/s, comma-separated")

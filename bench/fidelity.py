@@ -1,6 +1,6 @@
 """Measured against simulated: every row of a calibration CSV replayed closed loop in the DES.
 
-    python -m simulator.fidelity DATA.csv [--profile P] [--split test] [--every N]
+    python -m bench.fidelity DATA.csv [--profile P] [--split test] [--every N]
 
 Each row (the format of shared/calibration/: backend, model, gpu, precision, isl, osl,
 concurrency, tp, ttft_ms, tpot_ms) is one closed-loop benchmark: `concurrency` clients, each
@@ -46,7 +46,7 @@ REQUESTS_PER_CLIENT = 10  # the benchmark's requests per client (num_prompts = 1
 STEADY_ROUNDS = 3  # closed-loop rounds simulated for the spread-out part
 BANDS = ((1, 8, "c<=8"), (9, 32, "c 9-32"), (33, 10**9, "c>32"))
 # The KV cache dtype each GPU's benchmarks ran with, which the CSV does not record. Inferred
-# by `python -m simulator.calibrate` from the KV capacity the calibration half's saturated
+# by `python -m bench.calibrate` from the KV capacity the calibration half's saturated
 # rows show (`infer_kv_dtypes`): only FP8 KV holds the H200 TP 1 sequences measured decoding
 # at once; the H100 TP 2 rows saturate where a 16-bit cache would. "benchmark" picks it.
 BENCHMARK_KV_CACHE_DTYPE = {"h100": "auto", "h200": "fp8"}
@@ -313,11 +313,11 @@ def subset(rows: Sequence[Row], every: int) -> list[Row]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m simulator.fidelity", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.fidelity", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", help="CSV of measured closed-loop benchmarks")
     ap.add_argument("--profile", default=None,
-                    help="a calibration profile (YAML from simulator.calibrate); default: the "
+                    help="a calibration profile (YAML from bench.calibrate); default: the "
                          "shipped profiles")
     ap.add_argument("--split", choices=("all", "cal", "test"), default="all",
                     help="rows to run: all, or the calibration (even) / held-out (odd) half")

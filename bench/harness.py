@@ -1,9 +1,10 @@
-"""Starting things on loopback for the tests, the benches and the demo: a free port, an ASGI app
-served in the running event loop, a simulated fleet in a subprocess, child processes stopped.
+"""Starting things on loopback for the tests and the benches: a free port, an ASGI app served in
+the running event loop, P/D fleets in process, child processes stopped.
 
-Also the two chores every fake replica has (the lifespan protocol, reading a request body) and the
-streaming client loop the demo and the benches time first tokens with. `simulator.fleet.Fleet` is
-the in-process fleet. Nothing here imports the gateway.
+Also the two chores every fake replica has (the lifespan protocol, reading a request body).
+`simulator.fleet` has the in-process fleet and `simulated_fleet`, the fleet in a subprocess;
+`gateway.demo.stream_chat` is the streaming client the demo and the admission bench time first
+tokens with. Nothing here imports the gateway.
 """
 
 from __future__ import annotations
@@ -12,14 +13,13 @@ import asyncio
 import contextlib
 import socket
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
 
 if TYPE_CHECKING:
-    import aiohttp
+    from simulator.pd import Protocol as PdProtocol
 
     Lifespan = Literal["auto", "on", "off"]
 
@@ -109,33 +109,11 @@ async def serving(
         await served.stop()
 
 
-# --- processes -----------------------------------------------------------------------------------
+# --- fleets and processes ------------------------------------------------------------------------
 @contextlib.asynccontextmanager
-async def simulated_fleet(n: int, *sim_args: str, port: int = 0) -> AsyncIterator[list[str]]:
-    """`python -m simulator --replicas n --port PORT *sim_args` in a subprocess (replica i on
-    PORT + i; 0: ephemeral ports); yields its URLs."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "simulator", "--replicas", str(n), "--port", str(port), *sim_args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    urls: list[str] = []
-    assert proc.stdout is not None
-    try:
-        while len(urls) < n:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-            if not line:
-                raise RuntimeError("the simulator exited before it was ready")
-            urls += [w for w in line.split() if w.startswith("http://")]
-        yield urls
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        await proc.wait()
-
-
-@contextlib.asynccontextmanager
-async def pd_fleets(n_prefill: int = 1, n_decode: int = 1, protocol: str = "vllm-nixl", *,
-                    speedup: float = 200.0, **kw: Any) -> AsyncIterator[tuple[Any, Any]]:
+async def pd_fleets(n_prefill: int = 1, n_decode: int = 1,
+                    protocol: PdProtocol = "vllm-nixl", *, speedup: float = 200.0,
+                    **kw: Any) -> AsyncIterator[tuple[Any, Any]]:
     """In-process P/D replicas (simulator/pd.py): (prefill Fleet, decode Fleet). `kw`: Fleet
     options, plus PdOptions fields (kv_link_gbps, lease_s, load_failure_policy, ...)."""
     from dataclasses import fields
@@ -188,29 +166,3 @@ async def read_body(receive: Receive) -> bytes:
         body += msg.get("body", b"")
         if not msg.get("more_body"):
             return body
-
-
-# --- clients -------------------------------------------------------------------------------------
-async def stream_chat(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: bytes,
-    headers: Mapping[str, str] | None = None,
-    on_first: Callable[[], None] | None = None,
-) -> int:
-    """POST a streamed chat request (`body`, JSON) to `url`/v1/chat/completions and read the answer
-    to its end; `on_first()` runs when the first chunk with content arrives. Returns the status
-    (the body of a non-200 answer is read and dropped). aiohttp's errors reach the caller."""
-    async with session.post(
-        url + "/v1/chat/completions",
-        data=body,
-        headers={"content-type": "application/json", **(headers or {})},
-    ) as res:
-        if res.status != 200:
-            await res.read()
-            return res.status
-        async for chunk in res.content.iter_any():
-            if on_first is not None and b'"content"' in chunk:
-                on_first()
-                on_first = None
-        return 200
