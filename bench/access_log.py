@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gateway.logs import ACCESS
+from gateway.telemetry.logs import ACCESS
 
 
 @contextmanager

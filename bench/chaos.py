@@ -43,7 +43,7 @@ from bench import verdict
 from bench.harness import free_port, lifespan_done, read_body, start_server
 from gateway import create_app
 from gateway.config import load_config
-from gateway.tracing import Tracing
+from gateway.telemetry.tracing import Tracing
 from simulator.fleet import Fleet
 from simulator.workloads import text
 

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.harness import free_port
     from bench.overhead import gateway_config, policy_variant, traced
     from gateway import create_app, parse_config
-    from gateway.otlp import OtlpHttpSink
+    from gateway.telemetry.otlp import OtlpHttpSink
 
     thread_cpu: list[tuple[int, float]] = []
     if args.tracing:  # the export thread's own clock: traces taken and CPU spent

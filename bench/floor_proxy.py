@@ -42,14 +42,14 @@ from typing import Any
 import httptools
 
 from bench.overhead import gateway_config, policy_variant
-from gateway.app import settle_garbage_collector
+from gateway.api.kinds import PATHS
 from gateway.config import parse_config
-from gateway.http_client import HttpClient
-from gateway.http_protocol import GuardedHttpToolsProtocol, body_writer
-from gateway.kinds import PATHS
-from gateway.router import RouteInput
+from gateway.http.app import settle_garbage_collector
+from gateway.http.protocol import GuardedHttpToolsProtocol, body_writer
+from gateway.routing.router import RouteInput
 from gateway.runtime import Gateway
 from gateway.snapshot import pick_pool
+from gateway.upstream.client import HttpClient
 
 MAX_ANSWER_BYTES = 64 << 20
 JSON = [(b"content-type", b"application/json")]

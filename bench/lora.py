@@ -29,9 +29,9 @@ import orjson
 
 from bench.routing_routers import DesRouter
 from bench.routing_workloads import ENGINE, segment
-from gateway.config_sections import LoraConfig as GatewayLora
-from gateway.lora import adapters_of, parse_lora_info
-from gateway.lora_placement import LoraPlacement
+from gateway.config.sections import LoraConfig as GatewayLora
+from gateway.routing.lora import adapters_of, parse_lora_info
+from gateway.routing.lora_placement import LoraPlacement
 from simulator.des import Cluster, ReplicaLoad, SimRequest, run
 from simulator.lora import LoraConfig, adapter_path
 from simulator.lora_api import adapter_cards

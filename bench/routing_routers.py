@@ -15,11 +15,11 @@ from typing import Any
 
 import orjson
 
+from gateway.api.openai import parse_body
 from gateway.config import Config, parse_config
-from gateway.openai import parse_body
-from gateway.router import Dispatch, RouteInput
+from gateway.fleet.scrape import LoadSample
+from gateway.routing.router import Dispatch, RouteInput
 from gateway.runtime import Gateway
-from gateway.scrape import LoadSample
 from policies import build_policy
 from policies.registry import DEFAULT_POLICY
 from prefix_index.chunking import scope_key

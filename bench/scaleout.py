@@ -47,7 +47,7 @@ import yaml
 from bench.harness import free_port, stop_processes
 from bench.routing_http import RUNS, Record, build, kv_tokens, send, simulator_args
 from bench.shapes import ShapedRequest
-from gateway.config_sections import FleetConfig
+from gateway.config.sections import FleetConfig
 from simulator.fleet import simulated_fleet
 from simulator.stats import percentile
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.routing_routers import MODEL, DesRouter, PreciseDesRouter
-from gateway.scrape import parse_metrics
-from gateway.tier_metrics import measured_gbps
+from gateway.fleet.scrape import parse_metrics
+from gateway.telemetry.tier_metrics import measured_gbps
 from prefix_index.chunking import scope_key
 from prefix_index.events import BlockRemoved, BlockStored, EventBatch, KvEventApplier
 from simulator.des import Cluster, ReplicaLoad, SimRequest, run

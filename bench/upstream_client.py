@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 
 from bench.overhead import chat_bodies
-from gateway.http_client import HttpClient
+from gateway.upstream.client import HttpClient
 
 ROOT = Path(__file__).resolve().parent.parent
 PATH = "/v1/chat/completions"

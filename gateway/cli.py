@@ -9,8 +9,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .config import Config, ConfigError, load_config
-from .version import gateway_version
+from gateway.config import Config, ConfigError, load_config
+from gateway.version import gateway_version
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,8 +85,8 @@ def scale_out_problems(config: Config, workers: int) -> list[str]:
 
 def app_from_env() -> object:
     """uvicorn's factory for worker processes: the config path and overrides come from the environment."""
-    from .app import create_app
-    from .logs import setup_logging
+    from gateway.http.app import create_app
+    from gateway.telemetry.logs import setup_logging
 
     path = os.environ["KVGATEWAY_CONFIG"]
     config = load_config(path)
@@ -104,9 +104,9 @@ def serve(
 ) -> None:
     import uvicorn
 
-    from .app import create_app
-    from .http_protocol import GuardedHttpToolsProtocol
-    from .logs import setup_logging
+    from gateway.http.app import create_app
+    from gateway.http.protocol import GuardedHttpToolsProtocol
+    from gateway.telemetry.logs import setup_logging
 
     setup_logging(config.server.log_level, config.server.log_format)
     common = dict(
@@ -137,7 +137,7 @@ DEMO_NEEDS = ("simulator", "aiohttp")  # the simulator package and the demo's lo
 
 def _demo(argv: Sequence[str]) -> int:
     try:
-        from . import demo  # gateway/demo.py, imported only when `gateway demo` runs
+        from gateway import demo
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").partition(".")[0]
         if missing not in DEMO_NEEDS:

@@ -22,7 +22,7 @@ import orjson
 import uvicorn
 
 from gateway import Config, create_app, parse_config
-from gateway.app import GatewayApp
+from gateway.http.app import GatewayApp
 from policies.registry import DEFAULT_POLICY
 from simulator.fleet import simulated_fleet
 from simulator.workloads import WorkItem, shared_prompts

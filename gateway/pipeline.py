@@ -12,26 +12,26 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from .errors import GatewayError
-from .failover import Failover
-from .kinds import EndpointKind
-from .lora_placement import LoraPlacement
-from .openai import ParsedRequest
-from .outbound import Outbound, upstream_body, upstream_headers
-from .pd import PD_KINDS, PdForwarder
-from .pools import Pool
-from .ratelimit import Rule, costs_for, rate_limited
-from .ratelimit import headers as ratelimit_headers
-from .record import Record, Recorder
-from .router import Dispatched, PdDispatch, RouteInput, Routing
-from .snapshot import Snapshot, pick_pool
-from .sticky import Homes
-from .tenants import Tenant, requested_priority
-from .types import Headers
-from .writer import ResponseWriter
+from gateway.api.kinds import EndpointKind
+from gateway.api.openai import ParsedRequest
+from gateway.errors import GatewayError
+from gateway.fleet.pools import Pool
+from gateway.http.writer import ResponseWriter
+from gateway.limits.ratelimit import Rule, costs_for, rate_limited
+from gateway.limits.ratelimit import headers as ratelimit_headers
+from gateway.limits.tenants import Tenant, requested_priority
+from gateway.routing.lora_placement import LoraPlacement
+from gateway.routing.router import Dispatched, PdDispatch, RouteInput, Routing
+from gateway.routing.sticky import Homes
+from gateway.snapshot import Snapshot, pick_pool
+from gateway.telemetry.record import Record, Recorder
+from gateway.types import Headers
+from gateway.upstream.failover import Failover
+from gateway.upstream.outbound import Outbound, upstream_body, upstream_headers
+from gateway.upstream.pd import PD_KINDS, PdForwarder
 
 if TYPE_CHECKING:
-    from .runtime import Gateway
+    from gateway.runtime import Gateway
 
 RawHeaders = dict[bytes, bytes]
 

@@ -13,23 +13,18 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from prefix_index import PrefixIndex
-from prefix_index.chunking import Chunker
-
-from .admission import Admission, shed_all
-from .background import Background
-from .budgets import AnswerBudget, LiveStreams
-from .config import Config, ReplicaConfig
-from .control_client import ControlClient, open_control_client
-from .fleet_load import FleetLoad, start_fleet_load
-from .http_client import HttpClient
-from .kv_subscriber import KvEvents
-from .metrics import Metrics
-from .pools import Pool, Update, apply_updates, replica_states, with_set
-from .ratelimit import RateLimiter
-from .replicas import ReplicaState
-from .router import Router
-from .snapshot import (
+from gateway.config import Config, ReplicaConfig
+from gateway.fleet.background import Background
+from gateway.fleet.kv_events import KvEvents
+from gateway.fleet.pools import Pool, Update, apply_updates, replica_states, with_set
+from gateway.fleet.replicas import ReplicaState
+from gateway.fleet.shared_load import FleetLoad, start_fleet_load
+from gateway.limits.admission import Admission, shed_all
+from gateway.limits.budgets import AnswerBudget, LiveStreams
+from gateway.limits.ratelimit import RateLimiter
+from gateway.limits.tenants import TenantDirectory
+from gateway.routing.router import Router
+from gateway.snapshot import (
     Built,
     Snapshot,
     build_snapshot,
@@ -39,9 +34,13 @@ from .snapshot import (
     save_index,
     warm_start,
 )
-from .tenants import TenantDirectory
-from .tracing import Tracing
-from .window import RollingWindow
+from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.tracing import Tracing
+from gateway.telemetry.window import RollingWindow
+from gateway.upstream.client import HttpClient
+from gateway.upstream.control import ControlClient, open_control_client
+from prefix_index import PrefixIndex
+from prefix_index.chunking import Chunker
 
 log = logging.getLogger("gateway")
 

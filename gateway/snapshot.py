@@ -19,19 +19,18 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
+from gateway.api.openai import ParsedRequest
+from gateway.config import Config
+from gateway.errors import NotFound
+from gateway.fleet.pools import OnChange, Pool, Update, apply_updates, build_pools
+from gateway.fleet.replicas import ReplicaState
+from gateway.limits.admission import Admission
+from gateway.limits.ratelimit import RateLimiter, open_rate_limiter
+from gateway.limits.tenants import TenantDirectory
+from gateway.routing.router import Router
 from prefix_index import MemoryIndex, PrefixIndex, open_index
 from prefix_index.chunking import Chunker, make_chunker
 from prefix_index.persist import read_snapshot, write_snapshot
-
-from .admission import Admission
-from .config import Config
-from .errors import NotFound
-from .openai import ParsedRequest
-from .pools import OnChange, Pool, Update, apply_updates, build_pools
-from .ratelimit import RateLimiter, open_rate_limiter
-from .replicas import ReplicaState
-from .router import Router
-from .tenants import TenantDirectory
 
 log = logging.getLogger("gateway")
 

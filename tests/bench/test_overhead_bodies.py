@@ -7,8 +7,8 @@ chain: the user turns differed only inside the partial last block.)"""
 from __future__ import annotations
 
 from bench.overhead import MODEL, chat_bodies
-from gateway.kinds import PATHS
-from gateway.router import Router
+from gateway.api.kinds import PATHS
+from gateway.routing.router import Router
 from prefix_index.chunking import ByteChunker, scope_key
 
 

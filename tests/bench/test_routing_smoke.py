@@ -17,8 +17,8 @@ import pytest
 from bench import routing
 from bench.routing_routers import GATEWAY_DEFAULT, ROUTERS, WALL_CLOCK, DesRouter, body_of
 from bench.routing_workloads import profile, segment, trace
-from gateway.openai import parse_body
-from gateway.router import RouteInput
+from gateway.api.openai import parse_body
+from gateway.routing.router import RouteInput
 from simulator.des import Cluster, SimRequest, run
 
 N = 300

@@ -13,7 +13,7 @@ import pytest
 
 from bench.routing_workloads import TRACE, profile
 from bench.shapes import SHAPES, ShapedRequest, to_sim_requests
-from gateway.openai import parse_body
+from gateway.api.openai import parse_body
 from simulator.des import SimRequest
 from simulator.openai_api import parse_request
 from simulator.tokenizer import ByteTokenizer, render_chatml

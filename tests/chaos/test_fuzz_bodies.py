@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.openai import MAX_DEPTH
+from gateway.api.openai import MAX_DEPTH
 from tests.chaos.conftest import (
     MAX_BODY,
     MODEL,

@@ -12,8 +12,8 @@ import httpx
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from gateway.kinds import PATHS
-from gateway.openapi import openapi_document
+from gateway.api.kinds import PATHS
+from gateway.http.openapi import openapi_document
 from tests.chaos.conftest import TENANT_KEY, GatewayProc
 
 

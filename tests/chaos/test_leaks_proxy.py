@@ -22,7 +22,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway import create_app, parse_config
-from gateway.tracing import Tracing
+from gateway.telemetry.tracing import Tracing
 from tests.gateway.fake_replica import Upstream
 from tests.support import Served, free_port, start_server
 

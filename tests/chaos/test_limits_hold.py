@@ -21,7 +21,13 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
-from gateway.ratelimit import MemoryRateLimiter, RateLimiter, RedisRateLimiter, Rule, rate_limited
+from gateway.limits.ratelimit import (
+    MemoryRateLimiter,
+    RateLimiter,
+    RedisRateLimiter,
+    Rule,
+    rate_limited,
+)
 from tests.gateway.conftest import Rig, rig
 from tests.gateway.fake_replica import Upstream
 

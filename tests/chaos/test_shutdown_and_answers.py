@@ -13,7 +13,7 @@ import orjson
 import uvicorn
 
 from gateway import create_app, parse_config
-from gateway.http_protocol import GuardedHttpToolsProtocol
+from gateway.http.protocol import GuardedHttpToolsProtocol
 from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until, start_server
 

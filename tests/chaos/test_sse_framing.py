@@ -14,7 +14,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.streams import StreamTap
+from gateway.api.streams import StreamTap
 from tests.gateway.conftest import rig
 from tests.gateway.fake_replica import Upstream
 

@@ -15,7 +15,7 @@ import yaml
 from pydantic import TypeAdapter
 
 from gateway.config import PoolConfig, load_config, parse_config
-from gateway.discovery import DiscoveryConfig, KubernetesDiscoveryConfig
+from gateway.fleet.discovery import DiscoveryConfig, KubernetesDiscoveryConfig
 from simulator.cli import parser as simulator_parser
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from gateway.discovery import (
+from gateway.fleet.discovery import (
     SERVICE_ACCOUNT_DIR,
     DiscoveryConfig,
     DiscoveryError,

@@ -22,10 +22,10 @@ from bench.engine.fleet import BLOCK_SIZE, metrics, post, prefix_counters, reset
 from bench.engine.model import LLAMA3, lora_dir
 from bench.receipts import GOAL, SIZES, measure
 from bench.shapes import SHAPES
-from gateway.control_client import open_control_client
-from gateway.kv_subscriber import check_parity
-from gateway.scrape import _CACHE_INFO, _FIELDS, parse_metrics
-from gateway.tracing import Tracing
+from gateway.fleet.kv_events import check_parity
+from gateway.fleet.scrape import _CACHE_INFO, _FIELDS, parse_metrics
+from gateway.telemetry.tracing import Tracing
+from gateway.upstream.control import open_control_client
 from prefix_index.chunking import TokenChunker
 from simulator import Fleet
 from tests.engine.conftest import KV_BLOCKS, Engine, gateway

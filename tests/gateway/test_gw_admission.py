@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.admission import Admission, QueueStats
 from gateway.errors import NoReplicaAvailable, Shed
-from gateway.tenants import PriorityClassConfig, default_classes
+from gateway.limits.admission import Admission, QueueStats
+from gateway.limits.tenants import PriorityClassConfig, default_classes
 
 POOL = "chat"
 

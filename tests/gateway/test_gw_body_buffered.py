@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.endpoint import read_body
-from gateway.http_protocol import GuardedHttpToolsProtocol, body_buffered
+from gateway.http.endpoint import read_body
+from gateway.http.protocol import GuardedHttpToolsProtocol, body_buffered
 from tests.support import start_server
 
 

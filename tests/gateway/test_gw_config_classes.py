@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.tenants import BUILTIN_CLASSES
+from gateway.limits.tenants import BUILTIN_CLASSES
 from tests.gateway.conftest import rig
 from tests.gateway.fake_replica import Upstream
 

@@ -14,7 +14,9 @@ import orjson
 import pytest
 
 from gateway.config import HealthConfig, PoolConfig, ReplicaConfig, ScrapeConfig
-from gateway.control_client import (
+from gateway.fleet.kv_events import check_parity
+from gateway.fleet.replicas import ReplicaMonitor, ReplicaState
+from gateway.upstream.control import (
     BodyTooLarge,
     ControlClient,
     fetch,
@@ -23,8 +25,6 @@ from gateway.control_client import (
     post_json,
     status_of,
 )
-from gateway.kv_subscriber import check_parity
-from gateway.replicas import ReplicaMonitor, ReplicaState
 from tests.support import free_port, poll_until
 
 # path -> (method, request body) -> the whole response, or None to never answer

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from gateway import create_app, parse_config
+from gateway.http.status import status_of
 from gateway.runtime import Gateway
-from gateway.status import status_of
-from gateway.window import RollingWindow, quantile
+from gateway.telemetry.window import RollingWindow, quantile
 from tests.gateway.conftest import rig
 from tests.gateway.fake_replica import Upstream
 from tests.support import CHROMIUM, chromium, poll_until, serving

@@ -9,8 +9,8 @@ import contextvars
 
 import uvicorn
 
-from gateway import delays
-from gateway.http_protocol import GuardedHttpToolsProtocol
+from gateway.http import delays
+from gateway.http.protocol import GuardedHttpToolsProtocol
 
 
 def pending_timers(loop: asyncio.AbstractEventLoop) -> int:

@@ -18,9 +18,9 @@ import orjson
 import pytest
 
 from gateway import create_app, parse_config
+from gateway.api.kinds import PATHS
 from gateway.config import ConfigError
-from gateway.kinds import PATHS
-from gateway.router import Router
+from gateway.routing.router import Router
 from prefix_index import ByteChunker, TokenChunker
 from simulator import Fleet
 from tests.simulator.tiny_tokenizer import train_tokenizer

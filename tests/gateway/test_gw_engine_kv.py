@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway import create_app, parse_config
-from gateway.scrape import parse_metrics
+from gateway.fleet.scrape import parse_metrics
 from simulator import Fleet
 from tests.simulator.tiny_tokenizer import train_tokenizer
 from tests.support import poll_until, start_server

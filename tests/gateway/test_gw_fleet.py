@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from gateway import create_app, parse_config
-from gateway.fleet_load import QUIET_TICKS
+from gateway.fleet.shared_load import QUIET_TICKS
 from tests.gateway.fake_replica import Upstream
 from tests.support import Served, free_port, poll_until, start_server
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-from gateway.fleet_scrape import ScrapeShare, replicas_by_url
-from gateway.replicas import Circuit, ReplicaState
-from gateway.scrape import LoadSample
+from gateway.fleet.replicas import Circuit, ReplicaState
+from gateway.fleet.scrape import LoadSample
+from gateway.fleet.shared_scrape import ScrapeShare, replicas_by_url
 
 URLS = [f"http://10.0.0.{i}:8000" for i in range(64)]
 

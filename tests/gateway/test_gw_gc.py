@@ -9,7 +9,7 @@ import sys
 
 CHILD = """
 import gc
-from gateway.app import GC_GEN0_THRESHOLD, settle_garbage_collector
+from gateway.http.app import GC_GEN0_THRESHOLD, settle_garbage_collector
 before = gc.get_threshold()
 settle_garbage_collector()
 after = gc.get_threshold()

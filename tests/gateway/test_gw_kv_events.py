@@ -168,7 +168,7 @@ async def test_live_batches_the_start_up_replay_gave_are_duplicates_not_a_restar
     goes back below what the replay gave is the engine starting over."""
     import msgspec
 
-    from gateway.kv_subscriber import KvEventSubscriber
+    from gateway.fleet.kv_events import KvEventSubscriber
 
     class Applier:
         def __init__(self) -> None:

@@ -20,7 +20,7 @@ import pytest
 from bench.harness import lifespan_done, read_body
 from gateway import create_app, parse_config
 from gateway.config import ConfigError
-from gateway.lora import (
+from gateway.routing.lora import (
     ReplicaAdapters,
     adapters_of,
     parse_lora_info,
@@ -28,7 +28,7 @@ from gateway.lora import (
     sglang_names,
     unserved,
 )
-from gateway.lora_placement import LoraPlacement
+from gateway.routing.lora_placement import LoraPlacement
 from gateway.runtime import Gateway
 from simulator.fleet import Fleet
 from simulator.lora import LoraConfig

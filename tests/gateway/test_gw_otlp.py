@@ -29,8 +29,8 @@ from pydantic import SecretStr
 
 from bench.harness import free_port
 from gateway import create_app, parse_config
-from gateway.otlp import OtlpHttpSink
-from gateway.tracing import SEGMENTS, RequestTrace, SdkSpans, Tracing, TracingConfig
+from gateway.telemetry.otlp import OtlpHttpSink
+from gateway.telemetry.tracing import SEGMENTS, RequestTrace, SdkSpans, Tracing, TracingConfig
 from tests.gateway.fake_replica import Upstream
 from tests.support import start_server
 
@@ -542,7 +542,7 @@ def test_a_trace_that_cannot_be_encoded_is_given_up_and_counted(
 
 
 def test_bad_exporter_variables_are_named() -> None:
-    from gateway.tracing import TracingError
+    from gateway.telemetry.tracing import TracingError
 
     for var, value in (
         ("OTEL_BSP_MAX_QUEUE_SIZE", "lots"),

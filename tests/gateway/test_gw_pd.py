@@ -423,7 +423,7 @@ def test_a_set_takes_its_own_settings_over_the_pools() -> None:
         "prefill": {"replicas": ["http://a:1"], "bootstrap_port": 8998, "timeouts": {"first_byte_s": 3}},
         "decode": {"replicas": ["http://b:1"], "max_inflight_per_replica": 200, "retries": 0},
     }}})  # fmt: skip
-    from gateway.pools import build_pools
+    from gateway.fleet.pools import build_pools
 
     pool = build_pools(cfg, {}, lambda r: None, [])["pd"]
     assert pool.pd is not None and pool.pd.protocol == "sglang"
@@ -437,7 +437,7 @@ def test_a_set_takes_its_own_settings_over_the_pools() -> None:
 async def test_the_trace_shows_prefill_transfer_and_decode(protocol: str) -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from gateway.tracing import Tracing
+    from gateway.telemetry.tracing import Tracing
 
     exporter = InMemorySpanExporter()
     tracing = Tracing(None, exporter=exporter, environ={})

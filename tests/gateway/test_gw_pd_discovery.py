@@ -254,7 +254,7 @@ def test_a_discovered_set_starts_empty_and_takes_the_sets_settings() -> None:
         "prefill": {"discovery": K8S, "bootstrap_port": 8998, "timeouts": {"first_byte_s": 3}},
         "decode": {"replicas": ["http://b:1"]},
     }}})  # fmt: skip
-    from gateway.pools import build_pools
+    from gateway.fleet.pools import build_pools
 
     pool = build_pools(cfg, {}, lambda r: None, [])["pd"]
     assert pool.pd is not None and pool.pd.prefill.replicas == ()

@@ -365,7 +365,7 @@ async def test_trace_segments_and_traceparent_continued() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from gateway import create_app, parse_config
-    from gateway.tracing import Tracing
+    from gateway.telemetry.tracing import Tracing
     from tests.support import start_server
 
     up = Upstream("a", chunks=16, chunk_delay_s=0.01)

@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.errors import RateLimited
-from gateway.ratelimit import (
+from gateway.limits.ratelimit import (
     MemoryRateLimiter,
     RateLimitConfig,
     RateLimiter,
@@ -249,7 +249,7 @@ async def test_redis_two_limiters_share_buckets(namespace: str) -> None:
 CHILD = textwrap.dedent(
     """
     import asyncio, sys
-    from gateway.ratelimit import RedisRateLimiter, Rule
+    from gateway.limits.ratelimit import RedisRateLimiter, Rule
 
     async def main() -> None:
         lim = RedisRateLimiter(sys.argv[1], namespace=sys.argv[2])

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from gateway import create_app, parse_config
-from gateway.http_protocol import BodyWriter, GuardedHttpToolsProtocol
-from gateway.streams import StreamTap
+from gateway.api.streams import StreamTap
+from gateway.http.protocol import BodyWriter, GuardedHttpToolsProtocol
 from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until, start_server
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from gateway.record import request_id
+from gateway.telemetry.record import request_id
 
 
 def test_new_ids_are_unique_hex_and_a_clients_id_is_kept() -> None:
@@ -20,7 +20,7 @@ def test_new_ids_are_unique_hex_and_a_clients_id_is_kept() -> None:
 # In a process of its own: this one has threads, and forking one that has is deprecated.
 _FORK = """
 import os
-from gateway.record import request_id
+from gateway.telemetry.record import request_id
 parent = request_id({})
 read, write = os.pipe()
 pid = os.fork()

@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.logs import AccessLine, JsonFormatter
+from gateway.telemetry.logs import AccessLine, JsonFormatter
 from tests.gateway.conftest import rig
 from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until
@@ -134,7 +134,7 @@ async def test_the_log_handler_writes_lines_in_batches() -> None:
     reordered."""
     import io
 
-    from gateway.logs import BatchedStreamHandler, TextFormatter
+    from gateway.telemetry.logs import BatchedStreamHandler, TextFormatter
 
     def record(msg: str, level: int = logging.INFO) -> logging.LogRecord:
         return logging.makeLogRecord({"msg": msg, "levelno": level, "levelname": "X", "name": "t"})

@@ -20,8 +20,8 @@ import orjson
 from redis.asyncio import Redis
 
 from gateway import create_app, parse_config
-from gateway.fleet_load import FleetLoad
-from gateway.sticky import SharedHomes
+from gateway.fleet.shared_load import FleetLoad
+from gateway.routing.sticky import SharedHomes
 from simulator.fleet import Fleet
 from tests.support import Served, free_port, start_server
 

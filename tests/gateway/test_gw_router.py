@@ -10,8 +10,8 @@ import httpx
 import orjson
 
 from gateway import create_app, parse_config
-from gateway.openai import parse_body
-from gateway.router import RouteInput
+from gateway.api.openai import parse_body
+from gateway.routing.router import RouteInput
 from simulator import Fleet
 from simulator.workloads import text
 from tests.gateway.fake_replica import Upstream

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from gateway.tallies import OTHER, CounterTally, HistogramTally, LabelCap, Tallies
+from gateway.telemetry.tallies import OTHER, CounterTally, HistogramTally, LabelCap, Tallies
 from tests.gateway.conftest import rig
 from tests.gateway.fake_replica import Upstream
 

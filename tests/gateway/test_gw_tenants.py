@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.errors import BadRequest, Forbidden, Unauthorized
-from gateway.tenants import (
+from gateway.limits.tenants import (
     LimitsConfig,
     PriorityClassConfig,
     TenantConfig,

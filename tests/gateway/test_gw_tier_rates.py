@@ -14,8 +14,8 @@ import pytest
 
 from gateway import create_app
 from gateway.config import parse_config
-from gateway.scrape import parse_metrics
-from gateway.tier_load import DECAY, TierLoadMeter
+from gateway.fleet.scrape import parse_metrics
+from gateway.fleet.tier_load import DECAY, TierLoadMeter
 from prefix_index.chunking import scope_key
 from prefix_index.tiers import CPU
 from simulator import Fleet

@@ -27,10 +27,8 @@ from pydantic import SecretStr, ValidationError
 from bench.harness import free_port
 from gateway import create_app, parse_config
 from gateway.errors import ERROR_TYPES
-from gateway.failover import attempt_outcome
-from gateway.proxy import Retryable
-from gateway.trace_record import ROOT_SPAN, ROUTE_ATTRIBUTES, SPAN_KINDS, TYPES
-from gateway.tracing import (
+from gateway.telemetry.trace import ROOT_SPAN, ROUTE_ATTRIBUTES, SPAN_KINDS, TYPES
+from gateway.telemetry.tracing import (
     ATTEMPT_ATTRIBUTES,
     ATTRIBUTES,
     SEGMENTS,
@@ -41,6 +39,8 @@ from gateway.tracing import (
     resolve,
     resolve_exporter,
 )
+from gateway.upstream.failover import attempt_outcome
+from gateway.upstream.proxy import Retryable
 from policies.base import COLD, GUARD, HOME, NO_CANDIDATES, ONLY_CANDIDATE, TIE
 from policies.registry import TABLE, _lookup
 from tests.gateway.fake_replica import Upstream
@@ -670,7 +670,7 @@ def test_the_values_the_docs_name_exist() -> None:
     root = doc_table("Attributes of `gateway.request`")
     scorers = {_lookup("scorer", name, "").reason for name in TABLE["scorer"]}
     reasons = scorers | {TIE, COLD, GUARD, ONLY_CANDIDATE, NO_CANDIDATES, HOME} | set(TABLE["picker"])
-    gateway_src = "".join(p.read_text() for p in (DOCS.parents[1] / "gateway").glob("*.py"))
+    gateway_src = "".join(p.read_text() for p in (DOCS.parents[1] / "gateway").rglob("*.py"))
     reasons |= set(re.findall(r'\breason = "(\w+)"', gateway_src))  # set by the gateway itself
     named = {v for v in ticked(root["gateway.route.reason"][1]) if re.fullmatch(r"\w+", v)}
     assert named <= reasons

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from gateway.errors import NotFound
-from gateway.openapi import openapi_document
+from gateway.http.openapi import openapi_document
 from tests.gateway.conftest import rig
 from tests.gateway.fake_replica import Upstream
 

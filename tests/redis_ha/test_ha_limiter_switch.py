@@ -12,7 +12,7 @@ from pathlib import Path
 
 import aiohttp
 
-from gateway.ratelimit import RedisRateLimiter
+from gateway.limits.ratelimit import RedisRateLimiter
 from tests.gateway.conftest import rig
 from tests.gateway.fake_replica import Upstream
 from tests.gateway.test_gw_redis_metrics import sample

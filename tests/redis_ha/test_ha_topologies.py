@@ -14,7 +14,7 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from gateway.ratelimit import RedisRateLimiter, Rule
+from gateway.limits.ratelimit import RedisRateLimiter, Rule
 from prefix_index import RedisIndex, RedisTuning
 from prefix_index.constants import scope_id
 from tests.redis_ha.servers import Cluster, Node, cluster, data_node, sentinel_set

@@ -1,0 +1,401 @@
+"""The models of routes.yaml's sections (`server:`, `pools:` and what a pool holds, `routes:`,
+`index:`, `admission:`), each checking its own fields. The whole file, the rules across sections
+and loading are `config.py`."""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from gateway.fleet.discovery import DiscoveryConfig
+
+if TYPE_CHECKING:
+    from gateway.config.pd import PdSetConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RequestLogConfig(_Strict):
+    """`server.request_log:` one `gateway.access` line at info per finished request; `sample`
+    is the share of requests logged (0 turns it off). A tenant's `request_log: false` drops its."""
+
+    sample: float = Field(1.0, ge=0, le=1)
+
+
+class MetricsConfig(_Strict):
+    """`server.metrics:` the `model` and `tenant` labels of the request and token counters take
+    at most `max_label_values` distinct values each per process; later values read `other`."""
+
+    max_label_values: int = Field(100, ge=1, le=10_000)
+
+
+class ServerConfig(_Strict):
+    """`server:`. Memory held by request bodies is bounded twice: each body by `max_body_bytes`
+    (read only once its API key checks out, and only until `body_timeout_s` after it started), and
+    all bodies in flight together by `max_body_bytes_in_flight` (past it a new body gets 503);
+    with that cap off, the bound is `max_body_bytes` × `max_connections`.
+
+    Non-streamed answers (each at most 64 MiB, `proxy.MAX_RESPONSE_BYTES`) are held whole until
+    sent; all held at once are capped by `max_answer_bytes_in_flight`: an answer that would pass it
+    gets an OpenAI-shaped 503 (`answer_bytes_in_flight`, Retry-After) and is not read. So the
+    bound is `max_answer_bytes_in_flight` plus, per connection, what the socket buffers hold (a
+    large answer is sent in 256 KiB slices, each after the last drained); with the cap off, 64 MiB
+    × `max_connections`. Streams hold no answer: each event is relayed as it arrives.
+
+    `graceful_shutdown_s`: on SIGTERM, requests in flight may finish for this long; a stream still
+    running shortly before it ends (1 s, or a quarter of it if less) gets a `server_shutting_down`
+    error event and a terminated body, and its replica connection is closed.
+
+    `max_connections` counts requests in flight (each holds a connection), per gateway process;
+    beyond it a request gets an OpenAI-shaped 503 at once. `/health`, `/ready` and `/metrics` are exempt: probes answer
+    while every slot is taken. Idle connections are not counted: they are closed by the header
+    deadline and the keep-alive timeout.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_body_bytes_in_flight: int | None = Field(256 * 1024 * 1024, ge=1024)  # None: no cap
+    max_answer_bytes_in_flight: int | None = Field(256 * 1024 * 1024, ge=1024)  # None: no cap
+    graceful_shutdown_s: float = Field(30.0, ge=0)
+    body_timeout_s: float = Field(30.0, gt=0)  # deadline for a WHOLE request body, from its start
+    max_connections: int | None = Field(None, ge=1)  # requests in flight; health probes exempt
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+    # true: error bodies also name replicas, their addresses and why each attempt failed
+    expose_upstream_errors: bool = False
+    request_log: RequestLogConfig = RequestLogConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    admin_key: SecretStr | None = (
+        None  # required (Bearer) on /dashboard, /admin/*, /debug/*; unset: those are off
+    )
+
+    @model_validator(mode="after")
+    def _cap_holds_one_body(self) -> ServerConfig:
+        cap = self.max_body_bytes_in_flight
+        if cap is not None and cap < self.max_body_bytes:
+            raise ValueError(
+                f"max_body_bytes_in_flight: {cap} is less than max_body_bytes ({self.max_body_bytes}); "
+                "the cap must hold at least one whole body"
+            )
+        return self
+
+
+class HealthConfig(_Strict):
+    path: str = "/health"
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    failures_to_open: int = Field(3, ge=1)
+    open_s: float = Field(5.0, gt=0)  # how long an open circuit waits before a half-open probe
+
+
+class TimeoutsConfig(_Strict):
+    connect_s: float = Field(2.0, gt=0)
+    first_byte_s: float = Field(60.0, gt=0)
+    idle_s: float = Field(60.0, gt=0)  # longest gap between two streamed chunks
+    total_s: float = Field(600.0, gt=0)
+
+
+class ScrapeConfig(_Strict):
+    enabled: bool = True
+    path: str = "/metrics"
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    stale_after_s: float = Field(5.0, gt=0)  # after this, scraped load counts as unknown
+
+
+class ReplicaConfig(_Strict):
+    url: str
+    name: str | None = None
+    models: tuple[str, ...] = ()
+    capacity_blocks: int | None = Field(None, ge=1)
+    kv_events: str | None = None  # the engine's KV event publisher, e.g. tcp://10.0.0.5:5557
+    kv_events_replay: str | None = (
+        None  # its replay socket (vLLM's replay_endpoint), e.g. tcp://10.0.0.5:5558
+    )
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _zmq_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            parts = urlsplit(v)
+            if parts.scheme not in ("tcp", "ipc") or (parts.scheme == "tcp" and not parts.port):
+                raise ValueError("not a ZMQ endpoint like tcp://host:port")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("not an http(s) URL")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError("must be scheme://host:port with no path, query or fragment")
+        return v.rstrip("/")
+
+    @property
+    def display_name(self) -> str:
+        if self.name:
+            return self.name
+        parts = urlsplit(self.url)
+        return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters of a pool's replicas (docs/lora.md). Read from the replicas by default;
+    `manage: true` lets the gateway load `adapters` onto replicas that allow runtime updates."""
+
+    refresh_s: float = Field(5.0, gt=0)  # how often each replica's /v1/models is read
+    max_loras: int | None = Field(None, ge=1)  # GPU adapter slots; else the metric's, else 1
+    manage: bool = False
+    adapters: dict[str, str] = {}  # name -> path the replica loads it from (manage)
+    max_replicas_per_adapter: int = Field(2, ge=1)  # managed: replicas an adapter may hold
+    requests_per_replica: int = Field(4, ge=1)  # managed: in flight per replica before another
+    idle_unload_s: float = Field(60.0, gt=0)  # managed: unload an adapter idle this long
+    load_timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _adapters_to_manage(self) -> LoraConfig:
+        if self.manage and not self.adapters:
+            raise ValueError("adapters: required with manage: true (name: path of each adapter)")
+        return self
+
+
+class PoolConfig(_Strict):
+    replicas: tuple[ReplicaConfig, ...] = ()
+    discovery: DiscoveryConfig | None = None  # instead of `replicas`: dns or kubernetes
+    policy: str | dict[str, Any] = (
+        "ttft"  # the routing benchmark's pick (docs/routing-benchmark.md)
+    )
+    max_inflight_per_replica: int = Field(64, ge=1)
+    health: HealthConfig = HealthConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    scrape: ScrapeConfig = ScrapeConfig()
+    retries: int = Field(2, ge=0, le=10)
+    capacity_blocks: int | None = Field(None, ge=1)
+    upstream_api_key: SecretStr | None = None
+    # tokens-per-minute limits: what a request that sets no max_tokens is charged for its
+    # answer (None: the engine's context less the prompt, from its /v1/models max_model_len)
+    default_max_tokens: int | None = Field(None, ge=1, le=10_000_000)
+    lora: LoraConfig = LoraConfig()
+    protocol: Literal["vllm-nixl", "sglang"] | None = None  # P/D: two sets (config_pd.py)
+    prefill: PdSetConfig | None = None
+    decode: PdSetConfig | None = None
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _short_form(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [{"url": r} if isinstance(r, str) else r for r in v]
+        return v
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str | dict[str, Any]) -> str | dict[str, Any]:
+        from policies import PolicyConfigError, build_policy
+
+        try:
+            build_policy(v, seed=0)
+        except PolicyConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _replicas_or_discovery(self) -> PoolConfig:
+        from gateway.config.pd import pd_problem
+
+        if (problem := pd_problem(self)) is not None:
+            raise ValueError(problem)
+        if self.prefill is not None:
+            return self
+        if self.discovery is None and not self.replicas:
+            raise ValueError(
+                "replicas: required (a list of replica URLs), unless `discovery` is set"
+            )
+        if self.discovery is not None and self.replicas:
+            raise ValueError("replicas: set either `replicas` or `discovery`, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> PoolConfig:
+        seen: dict[str, int] = {}
+        for i, r in enumerate(self.replicas):
+            if r.display_name in seen:
+                raise ValueError(
+                    f"replicas[{i}]: name {r.display_name!r} repeats replicas[{seen[r.display_name]}]"
+                )
+            seen[r.display_name] = i
+        return self
+
+
+class RouteMatch(_Strict):
+    model: str | None = None  # glob, e.g. "qwen*"
+    min_prompt_tokens: int | None = Field(None, ge=0)
+    max_prompt_tokens: int | None = Field(None, ge=0)
+
+    def matches(self, model: str, prompt_tokens: int) -> bool:
+        if self.model is not None and not fnmatch.fnmatchcase(model, self.model):
+            return False
+        if self.min_prompt_tokens is not None and prompt_tokens < self.min_prompt_tokens:
+            return False
+        return self.max_prompt_tokens is None or prompt_tokens <= self.max_prompt_tokens
+
+
+class RouteConfig(_Strict):
+    match: RouteMatch = RouteMatch()
+    pool: str
+
+
+class ChunkingConfig(_Strict):
+    mode: Literal["bytes", "tokens"] = "bytes"
+    block_bytes: int = Field(64, ge=8)
+    tokenizer: str | None = None  # a tokenizer.json, or a tokenizer directory holding one
+    block_size: int = Field(16, ge=1)
+    # tokens mode, chat: None = the tokenizer directory's own template (ChatML when it has
+    # none), "chatml" = ChatML, else a template file (.jinja) to render with instead
+    chat_template: str | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _canonical_is_the_default(cls, v: str | None) -> str | None:
+        return None if v == "canonical" else v  # the name of the default before templates
+
+    @model_validator(mode="after")
+    def _tokens_need_tokenizer(self) -> ChunkingConfig:
+        if self.chat_template not in (None, "chatml") and not Path(self.chat_template).is_file():
+            raise ValueError(
+                f"chat_template: no such file {self.chat_template!r} (null: the tokenizer's "
+                "own template; chatml: ChatML; else a .jinja file)"
+            )
+        if self.mode == "tokens":
+            if not self.tokenizer:
+                raise ValueError("tokenizer: required when mode is tokens")
+            path = Path(self.tokenizer)
+            if path.is_dir():
+                if not (path / "tokenizer.json").is_file():
+                    raise ValueError(
+                        f"tokenizer: directory {self.tokenizer!r} has no tokenizer.json"
+                    )
+            elif not path.is_file():
+                raise ValueError(f"tokenizer: no such file or directory {self.tokenizer!r}")
+            self._check_template()
+        return self
+
+    def _check_template(self) -> None:
+        """Compile the template now, so a broken one fails the config, not the first chat."""
+        if self.chat_template == "chatml" or self.tokenizer is None:
+            return
+        key = "chat_template" if self.chat_template else "tokenizer"
+        try:
+            from prefix_index.templates import load_chat_template
+
+            load_chat_template(self.tokenizer, self.chat_template)
+        except ImportError as exc:
+            raise ValueError(
+                f"{key}: rendering a chat template needs {exc.name} (pip install 'kvgateway[tokens]')"
+            ) from None
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+
+
+class EventsConfig(_Strict):
+    enabled: bool = False
+    routed_ttl_s: float = Field(10.0, gt=0)  # life of a routed-but-not-yet-reported entry
+    parity_interval_s: float = Field(300.0, gt=0)  # how often token parity is checked
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why `url` is not a Redis URL the client can open, or None: one node (redis://, rediss://,
+    unix://), Sentinel (redis+sentinel://) or Cluster (redis+cluster://), options and the
+    KVGW_REDIS_* environment as prefix_index/redis_client.py reads them. The URL itself is never
+    part of the answer: it may hold a password."""
+    from prefix_index.redis_client import redis_url_problem as problem
+
+    return problem(url)
+
+
+class IndexConfig(_Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    chunking: ChunkingConfig = ChunkingConfig()
+    capacity_blocks: int = Field(200_000, ge=1)
+    # All scopes and replicas together (a scope also counts 8): ~300 MB in memory, see
+    # prefix_index/constants.py DEFAULT_MAX_BLOCKS. Past it the least recent scopes go first.
+    max_blocks: int = Field(2_000_000, ge=1_000)
+    ttl_s: float | None = Field(600.0, gt=0)
+    events: EventsConfig = EventsConfig()
+    # memory backend: written on shutdown, read at start when younger than snapshot_max_age_s
+    snapshot_path: str | None = None
+    snapshot_max_age_s: float = Field(600.0, gt=0)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        problem = redis_url_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
+    @model_validator(mode="after")
+    def _events_need_tokens(self) -> IndexConfig:
+        if self.events.enabled and self.chunking.mode != "tokens":
+            raise ValueError(
+                "events.enabled: KV events require chunking.mode: tokens (the engine reports token ids)"
+            )
+        if self.snapshot_path is not None and self.backend != "memory":
+            raise ValueError(
+                "snapshot_path: only the memory index writes a snapshot (the redis index "
+                "outlives a gateway by itself)"
+            )
+        return self
+
+
+class AdmissionConfig(_Strict):
+    shed_status: Literal[429, 503] = 429
+    forward_priority: bool = False  # send the class rank as vLLM's `priority` (lower runs first)
+
+
+class FleetConfig(_Strict):
+    """`fleet:` gateways that front the same replicas share their load through Redis
+    (gateway/fleet_load.py, docs/scaleout.md). `shared_load: null` (the default) follows the
+    index: on with `index.backend: redis`, off with the memory index. With it on,
+    `max_inflight_per_replica` is a fleet-wide cap: each gateway counts its own requests plus
+    the others' as of their last tick or push (gateway/fleet_push.py)."""
+
+    shared_load: bool | None = None  # None: on when index.backend is redis
+    redis_url: str | None = None  # None: index.redis_url
+    name: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    gateway_id: str | None = Field(None, min_length=1, max_length=128)  # None: host-pid-random
+    # the tick (liveness, learned sums, the whole picture); the pushes carry load between ticks
+    publish_interval_ms: float = Field(100.0, ge=1, le=10_000)
+    # between ticks, own figures are pushed within this long of a change (0: ticks only)
+    push_interval_ms: float = Field(2.0, ge=0, le=10_000)
+    stale_after_s: float = Field(3.0, gt=0, le=600)
+
+    @field_validator("gateway_id", mode="before")
+    @classmethod
+    def _empty_id_is_default(cls, v: Any) -> Any:
+        return None if v == "" else v  # `${POD_NAME:-}` outside Kubernetes
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        problem = None if v is None else redis_url_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
+    @model_validator(mode="after")
+    def _tick_inside_staleness(self) -> FleetConfig:
+        if self.publish_interval_ms / 1000 * 3 > self.stale_after_s:
+            raise ValueError(
+                "stale_after_s: must be at least 3 publish intervals, or live gateways would "
+                "count as gone between their ticks"
+            )
+        return self

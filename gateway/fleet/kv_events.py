@@ -1,0 +1,273 @@
+"""Precise prefix learning: subscribe to each replica's KV cache events (ZMQ) and feed the index.
+
+One subscriber per replica with `kv_events` set: it tracks sequence numbers, fills gaps from the
+replica's replay socket, and forgets the replica when the engine restarts or a gap cannot be
+filled. `check_parity` compares the gateway's token ids with the engine's (`/tokenize`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.upstream.control import ControlClient, post_json
+from prefix_index.chunking import scope_key
+from prefix_index.events import EventDecodeError, KvEventApplier, decode_batch
+
+log = logging.getLogger("gateway.kv_subscriber")
+
+POLL_MS = 250
+REPLAY_TIMEOUT_MS = 2000
+_END = (1 << 64) - 1  # the replay stream's end marker: seq -1 as 8 unsigned bytes
+PARITY_PROBE = (
+    "The quick brown fox jumps over the lazy dog. Prefix caching saves prefill: "
+    "1234567890 \u00e9\u00e8\u00fc \u4f60\u597d"
+)
+# the chat probe: a system message, two turns; checks the chat template, not only the tokenizer
+PARITY_CHAT: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are a careful assistant."},
+    {"role": "user", "content": PARITY_PROBE},
+    {"role": "assistant", "content": "Noted."},
+    {"role": "user", "content": "And the second question?"},
+]
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    received: int = 0
+    applied: int = 0
+    dropped: int = 0  # batches that could not be decoded
+    gaps: int = 0
+    replays: int = 0
+    replayed: int = 0
+    forgets: int = 0
+    restarts: int = 0
+    duplicates: int = 0  # batches the replay had given already (live ones that overlapped it)
+    last_seq: int | None = None
+    connected: bool = False
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class KvEventSubscriber:
+    def __init__(
+        self,
+        replica: str,
+        pub_url: str,
+        replay_url: str | None,
+        applier: KvEventApplier,
+        zmq_context: Any,
+    ) -> None:
+        self.replica = replica
+        self.pub_url = pub_url
+        self.replay_url = replay_url
+        self.applier = applier
+        self.ctx = zmq_context
+        self.stats = SubscriberStats()
+        self._task: asyncio.Task[None] | None = None
+        self._replayed_to: int | None = None  # the start-up replay's last; live batches up to it repeat
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"kv-events:{self.replica}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        import zmq
+
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(self.pub_url)
+        self.stats.connected = True
+        try:
+            # a new subscriber misses what was published before it joined: catch up from the start
+            if self.replay_url is not None:
+                await self._replay(0, None)
+                # batches published while the replay ran also sit in the SUB socket: seen ones
+                self._replayed_to = self.stats.last_seq
+            while True:
+                if not await sub.poll(POLL_MS):  # poll, then a non-blocking receive: no lost frames
+                    continue
+                frames = await sub.recv_multipart(zmq.NOBLOCK)
+                await self._handle(frames)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never take the gateway down; routing falls back to routed learning
+            log.exception("replica %s: KV event subscriber stopped", self.replica)
+        finally:
+            self.stats.connected = False
+            sub.close(0)
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self.stats.dropped += 1
+            return
+        seq, payload = int.from_bytes(frames[-2], "big"), frames[-1]
+        self.stats.received += 1
+        last = self.stats.last_seq
+        replayed, self._replayed_to = self._replayed_to, None
+        if last is not None and seq <= last and (
+            seq == last or (replayed is not None and seq <= replayed)
+        ):
+            # the replay gave it already (vLLM publishes a sequence number once; only a restart
+            # starts again from 0): a duplicate, not a restart
+            self.stats.duplicates += 1
+            self._replayed_to = replayed
+            return
+        if last is not None and seq <= last:
+            self.stats.restarts += 1
+            log.warning(
+                "replica %s: KV event sequence went back (%d after %d): engine restarted, forgetting it",
+                self.replica,
+                seq,
+                last,
+            )
+            await self._forget()
+        elif last is not None and seq > last + 1:
+            self.stats.gaps += 1
+            if not await self._replay(last + 1, seq):
+                log.warning(
+                    "replica %s: KV events %d..%d lost and not replayable: forgetting it",
+                    self.replica,
+                    last + 1,
+                    seq - 1,
+                )
+                await self._forget()
+        await self._apply(seq, payload)
+
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError:
+            self.stats.dropped += 1
+        else:
+            await self.applier.apply(batch)
+            self.stats.applied += 1
+        self.stats.last_seq = seq
+
+    async def _forget(self) -> None:
+        self.stats.forgets += 1
+        self.stats.last_seq = None
+        await self.applier.reset()
+
+    async def _replay(self, start: int, until: int | None) -> bool:
+        """Ask the replay socket for batches from `start`; True when everything before `until` came."""
+        if self.replay_url is None:
+            return False
+        import zmq
+
+        self.stats.replays += 1
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_url)
+        got_to = start - 1
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                if not await dealer.poll(REPLAY_TIMEOUT_MS):
+                    return False
+                frames = await dealer.recv_multipart(zmq.NOBLOCK)
+                # [b"", (topic,) seq, payload]; the end marker has seq -1 and an empty payload
+                if len(frames) < 3 or len(frames[-2]) != 8:
+                    continue
+                seq = int.from_bytes(frames[-2], "big")
+                if seq == _END:
+                    break
+                if until is not None and seq >= until:
+                    continue
+                if self.stats.last_seq is not None and seq <= self.stats.last_seq:
+                    continue  # already applied
+                self.stats.replayed += 1
+                await self._apply(seq, frames[-1])
+                got_to = seq
+        finally:
+            dealer.close(0)
+        return until is None or got_to >= until - 1
+
+
+class KvEvents:
+    """All subscribers of one gateway, sharing one ZMQ context (no global one)."""
+
+    def __init__(self) -> None:
+        self.subscribers: dict[str, KvEventSubscriber] = {}
+        self._ctx: Any = None
+
+    def add(
+        self,
+        replica: str,
+        pub_url: str,
+        replay_url: str | None,
+        index: Any,
+        chunker: Any,
+        model: str | None,
+    ) -> None:
+        import zmq.asyncio
+
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        index.set_precise(replica)
+        applier = KvEventApplier(index, chunker, _scopes(model), replica)
+        sub = KvEventSubscriber(replica, pub_url, replay_url, applier, self._ctx)
+        self.subscribers[replica] = sub
+        sub.start()
+
+    async def remove(self, replica: str) -> None:
+        sub = self.subscribers.pop(replica, None)
+        if sub is not None:
+            await sub.stop()
+
+    async def aclose(self) -> None:
+        for name in list(self.subscribers):
+            await self.remove(name)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+
+def _scopes(model: str | None) -> Callable[[str | None], str | None]:
+    """An event's LoRA name to the scope requests for it hash under (the model a client names)."""
+
+    def scope_for(lora_name: str | None) -> str | None:
+        if lora_name:
+            return scope_key(lora_name)
+        return scope_key(model) if model else None
+
+    return scope_for
+
+
+async def check_parity(
+    client: ControlClient, url: str, model: str | None, chunker: Any
+) -> bool | None:
+    """Does the engine tokenize as the gateway does? A completion probe against
+    `chunker.encode`, then a chat probe against `chunker.chat_prompt` (the chat template).
+    None when the replica cannot say; a replica that tokenizes no chats is judged on the first."""
+    text = await _tokenize(client, url, model, {"prompt": PARITY_PROBE})
+    if text is None:
+        return None
+    if text != list(chunker.encode(PARITY_PROBE)):
+        return False
+    chat = await _tokenize(
+        client, url, model, {"messages": PARITY_CHAT, "add_generation_prompt": True}
+    )
+    return True if chat is None else chat == list(chunker.chat_prompt(PARITY_CHAT))
+
+
+async def _tokenize(
+    client: ControlClient, url: str, model: str | None, body: dict[str, Any]
+) -> list[int] | None:
+    """The engine's token ids for `body` (`/tokenize`); None when it cannot say."""
+    if model:
+        body = {**body, "model": model}
+    data = await post_json(client, url + "/tokenize", body, timeout_s=5)
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    if not isinstance(tokens, list):
+        return None
+    return [int(t) for t in tokens]

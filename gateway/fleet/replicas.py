@@ -1,0 +1,418 @@
+"""Replica state the router reads: health and circuit breaker, scraped load, the gateway's own counts
+and, with shared load, the other gateways' (`peer_*`, set by gateway/fleet_load.py).
+
+`ReplicaState.view()` turns it into the policies' read-only `ReplicaView`; `ReplicaMonitor` runs the
+per-replica background probe and scrape loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config import HealthConfig, PoolConfig, ReplicaConfig, ScrapeConfig
+from gateway.fleet.scrape import LoadSample, parse_metrics
+from gateway.fleet.tier_load import TierLoadMeter
+from gateway.routing.lora import (
+    LORA_INFO,
+    LoraInfo,
+    ReplicaAdapters,
+    parse_lora_info,
+    refresh_models,
+)
+from gateway.upstream.control import CONTROL_ERRORS, ControlClient, fetch, status_of
+from policies.types import ReplicaView
+
+log = logging.getLogger("gateway.replicas")
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+# a scrape that fails: no answer, or one that is not text in its charset (decoded strictly)
+_SCRAPE_ERRORS: tuple[type[BaseException], ...] = (*CONTROL_ERRORS, UnicodeDecodeError, LookupError)
+
+
+@dataclass(slots=True)
+class Circuit:
+    """Open after N consecutive failures; half-open after `open_s`; a success closes it."""
+
+    failures_to_open: int
+    open_s: float
+    state: str = CLOSED
+    failures: int = 0
+    opened_at: float = 0.0
+
+    def current(self, now: float) -> str:
+        if self.state == OPEN and now - self.opened_at >= self.open_s:
+            self.state = HALF_OPEN
+        return self.state
+
+    def success(self) -> bool:
+        """Record a success; True when this closed an open/half-open circuit."""
+        changed = self.state != CLOSED
+        self.state, self.failures = CLOSED, 0
+        return changed
+
+    def failure(self, now: float) -> bool:
+        """Record a failure; True when this opened the circuit."""
+        self.failures += 1
+        if self.state == HALF_OPEN or (
+            self.state == CLOSED and self.failures >= self.failures_to_open
+        ):
+            self.state, self.opened_at = OPEN, now
+            return True
+        return False
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    name: str
+    url: str
+    pool: str
+    max_inflight: int
+    circuit: Circuit
+    models: frozenset[str] = frozenset()
+    capacity_blocks: int | None = None
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    stale_after_s: float = 5.0
+    draining: bool = False
+    inflight: int = 0
+    inflight_prompt_tokens: int = 0
+    placed_blocks: int = 0  # blocks new to this replica routed to it, ever (cold placement)
+    unrecords: int = 0  # failed dispatches whose unconfirmed blocks left the index
+    # the other gateways' figures for this replica as of the last fleet tick (gateway/fleet_load.py;
+    # 0 when load is not shared): routing and the in-flight cap count own + peers'
+    peer_inflight: int = 0
+    peer_prompt_tokens: int = 0
+    peer_placed_blocks: int = 0
+    # new prefixes placed here and not yet prefilled, by their chain's key (gateway/router.py,
+    # Dispatch: a replica that held none of the prompt): own -> [tokens, requests], and the
+    # peers' largest count per key. Two gateways that place one new prefix here at once count
+    # its prefill once: the replica computes it once.
+    cold: dict[int, list[int]] = field(default_factory=dict)
+    peer_cold: dict[int, int] = field(default_factory=dict)
+    scraped: LoadSample | None = None
+    scraped_at: float = 0.0
+    tier_load: TierLoadMeter = field(default_factory=TierLoadMeter)  # its tiers' measured rates
+    engine_kv: tuple[int, int] | None = None  # (block size, KV tokens) the engine last reported
+    engine_started: float | None = None  # its process's start time, as last scraped
+    ttft_ewma_s: float | None = None
+    served_models: frozenset[str] = frozenset()  # from the replica's /v1/models
+    max_model_len: int | None = None  # the engine's context, from its /v1/models cards
+    lora: ReplicaAdapters = field(default_factory=ReplicaAdapters)  # its LoRA adapters
+    lora_max: int | None = None  # pools.<p>.lora.max_loras (None: the metric's)
+    on_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
+    # its in-flight figures moved: the fleet's push publisher (gateway/fleet_push.py), set by
+    # the shared-load tick; None when load is not shared
+    on_load: Callable[[], None] | None = field(default=None, repr=False)
+    # with shared load, whether this gateway is the one of its fleet that scrapes the replica
+    # (by URL; the others take its samples by tick, gateway/fleet_scrape.py); None: it is
+    scrape_here: Callable[[str], bool] | None = field(default=None, repr=False)
+    # this gateway's own last scrape, what the fleet tick shares: (seq, when, sample, LoRA info)
+    own_scrape: tuple[int, float, LoadSample, LoraInfo | None] | None = field(
+        default=None, repr=False
+    )
+    # the engine reported a new KV geometry (`engine_kv`): set by its ReplicaMonitor, which
+    # sizes the replica in the index by it
+    on_engine_kv: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
+    # its prefix cache is gone (the engine restarted, or its health probes opened the circuit):
+    # the index forgets what it held; set by its ReplicaMonitor
+    on_lost: Callable[[ReplicaState, str], None] | None = field(default=None, repr=False)
+    _idle: asyncio.Event | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, pool_name: str, pool: PoolConfig, rc: ReplicaConfig) -> ReplicaState:
+        return cls(
+            name=rc.display_name,
+            url=rc.url,
+            pool=pool_name,
+            max_inflight=pool.max_inflight_per_replica,
+            circuit=Circuit(pool.health.failures_to_open, pool.health.open_s),
+            models=frozenset(rc.models),
+            capacity_blocks=rc.capacity_blocks or pool.capacity_blocks,
+            stale_after_s=pool.scrape.stale_after_s,
+            kv_events=rc.kv_events,
+            kv_events_replay=rc.kv_events_replay,
+            lora_max=pool.lora.max_loras,
+        )
+
+    # --- what routing reads ---------------------------------------------------------------
+    def update(self, pool: PoolConfig, rc: ReplicaConfig) -> None:
+        """Take a reloaded config's settings, keeping counters, circuit state and scraped load."""
+        self.max_inflight = pool.max_inflight_per_replica
+        self.circuit.failures_to_open = pool.health.failures_to_open
+        self.circuit.open_s = pool.health.open_s
+        self.models = frozenset(rc.models)
+        self.capacity_blocks = rc.capacity_blocks or pool.capacity_blocks
+        self.stale_after_s = pool.scrape.stale_after_s
+        self.lora_max = pool.lora.max_loras
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight (the replica is draining); False on timeout."""
+        if self.inflight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def available(self, now: float) -> bool:
+        """May take requests: circuit not open (a half-open one takes trials).
+
+        A replica a change removed (`draining`) is in no new snapshot, so no new request sees it;
+        requests that hold an older snapshot, queued before the change, may still be sent to it.
+        """
+        return self.circuit.current(now) != OPEN
+
+    def proven(self, now: float) -> bool:
+        """Known good: not draining and circuit closed (what /ready and replica_up report)."""
+        return not self.draining and self.circuit.current(now) == CLOSED
+
+    def view(self, hit_blocks: int, now: float) -> ReplicaView:
+        load = (
+            self.scraped
+            if self.scraped is not None and now - self.scraped_at <= self.stale_after_s
+            else None
+        )
+        return ReplicaView(
+            name=self.name,
+            url=self.url,
+            pool=self.pool,
+            healthy=self.circuit.current(now) != OPEN,
+            circuit=self.circuit.state,
+            models=self.models,
+            inflight=self.inflight + self.peer_inflight,
+            inflight_prompt_tokens=self.queued_prompt_tokens(),
+            max_inflight=self.max_inflight,
+            waiting=None if load is None or load.waiting is None else int(load.waiting),
+            running=None if load is None or load.running is None else int(load.running),
+            kv_usage=None if load is None else load.kv_usage,
+            hit_blocks=hit_blocks,
+            ttft_ewma_s=self.ttft_ewma_s,
+            placed_blocks=self.placed_blocks + self.peer_placed_blocks,
+            lora=lora.view() if (lora := self.lora).enabled else None,
+            tier_load_rates=self.tier_load.rates,  # kept fresh by each scrape, not stale-gated
+        )
+
+    def queued_prompt_tokens(self) -> int:
+        """Uncached prompt tokens queued here, own and peers', a new prefix that this gateway
+        and a peer both placed here counted once."""
+        total = self.inflight_prompt_tokens + self.peer_prompt_tokens
+        cold, peers = self.cold, self.peer_cold
+        if cold and peers:
+            for key, (tokens, _) in cold.items():
+                theirs = peers.get(key)
+                if theirs is not None:
+                    total -= min(tokens, theirs)
+        return total
+
+    def took_sample(self, sample: LoadSample, now: float) -> None:
+        """A scrape's load (fresh until `stale_after_s`) and the engine's tier load counters."""
+        self.scraped, self.scraped_at = sample, now
+        self.tier_load.update(sample)
+
+    def took_scrape(self, sample: LoadSample, lora: LoraInfo | None, now: float) -> None:
+        """What one scrape says, this gateway's or (shared load) the fleet's scraper's: the load,
+        the adapters in flight, the engine's KV geometry (`on_engine_kv` when it is new)."""
+        self.took_sample(sample, now)
+        started = sample.started
+        if started is not None:
+            if self.engine_started is not None and started != self.engine_started:
+                self.lost("the engine restarted (process_start_time_seconds changed)")
+            self.engine_started = started
+        if lora is not None:  # adapters in flight, by the newest series (gateway/lora.py)
+            self.lora.set_metric(lora[0], lora[1], self.lora_max)
+        tokens = sample.kv_tokens
+        if tokens is not None and sample.block_size is not None:
+            kv = (sample.block_size, tokens)
+            if kv != self.engine_kv:
+                self.engine_kv = kv
+                if self.on_engine_kv is not None:
+                    self.on_engine_kv(self)
+
+    def scrapes_here(self) -> bool:
+        return self.scrape_here is None or self.scrape_here(self.url)
+
+    def has_slot(self) -> bool:
+        """Below `max_inflight` counting every gateway's requests (own + peers' last tick)."""
+        return self.inflight + self.peer_inflight < self.max_inflight
+
+    # --- what the proxy reports ------------------------------------------------------------
+    def dispatched(
+        self, uncached_prompt_tokens: int, new_blocks: int = 0, cold: int | None = None
+    ) -> None:
+        """A request sent here; `cold`: the key of a new prefix it places (none held here)."""
+        self.inflight += 1
+        self.inflight_prompt_tokens += uncached_prompt_tokens
+        self.placed_blocks += new_blocks
+        if cold is not None:
+            entry = self.cold.setdefault(cold, [0, 0])
+            entry[0] += uncached_prompt_tokens
+            entry[1] += 1
+        if self.on_load is not None:
+            self.on_load()
+
+    def prefilled(self, uncached_prompt_tokens: int, cold: int | None = None) -> None:
+        self.inflight_prompt_tokens = max(0, self.inflight_prompt_tokens - uncached_prompt_tokens)
+        if cold is not None and (entry := self.cold.get(cold)) is not None:
+            entry[0] -= uncached_prompt_tokens
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self.cold[cold]
+        if self.on_load is not None:
+            self.on_load()
+
+    def finished(self) -> None:
+        self.inflight = max(0, self.inflight - 1)
+        if self.inflight == 0 and self._idle is not None:
+            self._idle.set()
+        if self.on_load is not None:
+            self.on_load()
+
+    def observe_ttft(self, ttft_s: float) -> None:
+        self.ttft_ewma_s = (
+            ttft_s if self.ttft_ewma_s is None else 0.8 * self.ttft_ewma_s + 0.2 * ttft_s
+        )
+
+    def succeeded(self) -> None:
+        if self.circuit.success():
+            log.info("replica %s: circuit closed", self.name)
+            self._changed()
+
+    def failed(self, why: str) -> bool:
+        """Count a failure; True when it opened the circuit."""
+        if self.circuit.failure(time.monotonic()):
+            log.warning("replica %s: circuit opened (%s)", self.name, why)
+            self._changed()
+            return True
+        return False
+
+    def lost(self, why: str) -> None:
+        """Its KV cache is gone or out of reach: what the index holds for it is no prediction."""
+        log.warning("replica %s: %s; the index forgets its blocks", self.name, why)
+        if self.on_lost is not None:
+            self.on_lost(self, why)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
+
+
+class ReplicaMonitor:
+    """Background health probes and `/metrics` scrapes for one replica, on the gateway's control
+    client (`control_client.open_control_client`); each request is bounded by its `timeout_s`."""
+
+    def __init__(
+        self,
+        replica: ReplicaState,
+        client: ControlClient,
+        health: HealthConfig,
+        scrape: ScrapeConfig,
+        on_engine_kv: Callable[[ReplicaState], None] | None = None,
+        on_lost: Callable[[ReplicaState, str], None] | None = None,
+    ) -> None:
+        """`on_engine_kv(replica)`: the engine reported its KV cache geometry for the first time,
+        or another one (`replica.engine_kv`), in its `cache_config_info` metric. `on_lost(replica,
+        why)`: its prefix cache is gone (ReplicaState.lost)."""
+        self.replica = replica
+        self.client = client
+        self.health = health
+        self.scrape = scrape
+        replica.on_engine_kv = on_engine_kv
+        replica.on_lost = on_lost
+        self._tasks: list[asyncio.Task[None]] = []
+        self._scrape_failing = False
+        self.models_refresh_s = 5.0  # pools.<p>.lora.refresh_s
+
+    def start(self) -> None:
+        self._tasks.append(
+            asyncio.create_task(self._probe_loop(), name=f"probe:{self.replica.name}")
+        )
+        if self.scrape.enabled:
+            self._tasks.append(
+                asyncio.create_task(self._scrape_loop(), name=f"scrape:{self.replica.name}")
+            )
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def probe_once(self) -> bool:
+        r = self.replica
+        try:
+            status = await status_of(
+                self.client, r.url + self.health.path, timeout_s=self.health.timeout_s
+            )
+            ok = status == 200
+        except CONTROL_ERRORS:
+            ok = False
+        if ok:
+            r.succeeded()
+        elif r.failed("health probe failed"):
+            r.lost("its health probes failed until its circuit opened")
+        return ok
+
+    async def scrape_once(self) -> LoadSample | None:
+        r = self.replica
+        try:
+            reply = await fetch(
+                self.client, "GET", r.url + self.scrape.path, timeout_s=self.scrape.timeout_s
+            )
+            text = reply.text() if reply.status == 200 else None
+            why = f"HTTP {reply.status}"
+        except _SCRAPE_ERRORS as exc:
+            text, why = None, type(exc).__name__
+        if text is None:
+            if not self._scrape_failing:
+                log.warning("replica %s: metrics scrape failing (%s)", r.name, why)
+                self._scrape_failing = True
+            return None
+        if self._scrape_failing:
+            log.info("replica %s: metrics scrape recovered", r.name)
+            self._scrape_failing = False
+        sample = parse_metrics(text)
+        lora = parse_lora_info(text) if LORA_INFO in text else None
+        now = time.monotonic()
+        r.took_scrape(sample, lora, now)
+        r.own_scrape = (r.own_scrape[0] + 1 if r.own_scrape else 1, now, sample, lora)
+        return sample
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await self.probe_once()
+            await asyncio.sleep(self.health.interval_s)
+
+    async def _scrape_loop(self) -> None:
+        models_at = 0.0
+        while True:
+            if self.replica.scrapes_here():  # with shared load, one gateway of the fleet does
+                await self.scrape_once()
+            if time.monotonic() >= models_at:  # /v1/models: adapters and context, every refresh_s
+                models_at = time.monotonic() + self.models_refresh_s
+                await self.refresh_models()
+            await asyncio.sleep(self.scrape.interval_s)
+
+    async def refresh_models(self) -> None:
+        """The replica's `/v1/models`: its LoRA adapters and its context (`max_model_len`)."""
+        r = self.replica
+        cards = await refresh_models(self.client, r.url, r.lora, r.lora_max)
+        if cards is not None:
+            r.max_model_len = context_length(cards)
+
+
+def context_length(cards: list[dict[str, Any]]) -> int | None:
+    """The longest context the `/v1/models` cards report (vLLM and SGLang: `max_model_len` on
+    each base model's card; an adapter's is null: it runs in its parent's)."""
+    lens = [
+        n for c in cards
+        if isinstance(n := c.get("max_model_len"), int) and not isinstance(n, bool) and n > 0
+    ]  # fmt: skip
+    return max(lens) if lens else None

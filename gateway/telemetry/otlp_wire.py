@@ -1,0 +1,206 @@
+"""OTLP/protobuf for the gateway's fixed span shape, written straight to bytes.
+
+The few protobuf pieces the span shape needs (varints, length-delimited fields, fixed 64-bit
+times), the resource and scope encoded once, and `SpanEncoder`, which turns a built
+`RequestTrace` into its spans' bytes. The bytes decode to what the SDK's OTLP exporter sends for
+the same spans (tested). Attribute pairs that repeat are encoded once and cached.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping
+from itertools import islice
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from gateway.telemetry.trace import ROOT_SPAN, SPAN_KINDS, RequestTrace
+
+__all__ = ["SpanEncoder", "encode_resource", "export_request"]
+
+_CACHE_MAX = 8192  # encoded (attribute, value) pairs kept; cleared when full
+
+
+# --- protobuf wire format: the few pieces the span shape needs ----------------------------------
+
+_VARINT = [bytes((n,)) if n < 0x80 else bytes((n & 0x7F | 0x80, n >> 7)) for n in range(1 << 14)]
+_FIXED64 = struct.Struct("<Q").pack
+_TIMES = struct.Struct("<BQBQ").pack  # start_time_unix_nano (7) and end_time_unix_nano (8)
+_DOUBLE = struct.Struct("<d").pack
+_STATUS_UNSET = b"\x7a\x00"  # status (15): present and empty, as the SDK's exporter sends it
+_FLAGS_LOCAL = b"\x85\x01" + struct.pack("<I", 0x100)  # flags (16): HAS_IS_REMOTE
+_FLAGS_REMOTE = b"\x85\x01" + struct.pack("<I", 0x300)  # ... | IS_REMOTE (the parent's)
+_TAIL_OK = _STATUS_UNSET + _FLAGS_LOCAL  # an OK local span's last two fields
+_LEN_SPAN = [b"\x12" + _VARINT[n] for n in range(1024)]  # spans (2): tag and length, by length
+_KIND = {"INTERNAL": b"\x30\x01", "SERVER": b"\x30\x02", "CLIENT": b"\x30\x03"}  # kind (6)
+
+
+def _varint(n: int) -> bytes:
+    if n < 1 << 14:
+        return _VARINT[n]
+    n &= (1 << 64) - 1  # int64: two's complement, ten bytes when negative
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(tag: int, payload: bytes) -> bytes:
+    """A length-delimited field: tag byte (field << 3 | 2), length, payload."""
+    return bytes((tag,)) + _varint(len(payload)) + payload
+
+
+def _any_value(value: Any, max_len: int | None) -> bytes:
+    """AnyValue: string 1, bool 2, int 3, double 4, array 5."""
+    if isinstance(value, str):
+        return _field(0x0A, (value if max_len is None else value[:max_len]).encode())
+    if isinstance(value, bool):
+        return b"\x10\x01" if value else b"\x10\x00"
+    if isinstance(value, int):
+        return b"\x18" + _varint(value)
+    if isinstance(value, float):
+        return b"\x21" + _DOUBLE(value)
+    if isinstance(value, bytes):
+        return _field(0x3A, value)
+    if isinstance(value, (list, tuple)):
+        return _field(0x2A, b"".join(_field(0x0A, _any_value(v, max_len)) for v in value))
+    return _field(0x0A, str(value).encode())
+
+
+def _key_value(tag: int, key: str, value: Any, max_len: int | None = None) -> bytes:
+    """KeyValue {key 1, value 2} as a field `tag` of the enclosing message."""
+    return _field(tag, _field(0x0A, key.encode()) + _field(0x12, _any_value(value, max_len)))
+
+
+def encode_resource(resource: Resource, scope: InstrumentationScope) -> tuple[bytes, bytes]:
+    """ResourceSpans.resource (1) and ScopeSpans.scope (1) as encoded fields."""
+    res = b"".join(_key_value(0x0A, k, v) for k, v in resource.attributes.items())
+    sc = _field(0x0A, scope.name.encode())
+    if scope.version:
+        sc += _field(0x12, scope.version.encode())
+    return _field(0x0A, res), _field(0x0A, sc)
+
+
+def export_request(resource: bytes, scope: bytes, spans: Iterable[bytes]) -> bytes:
+    """ExportTraceServiceRequest {ResourceSpans {resource, ScopeSpans {scope, spans...}}}, in one
+    join: a batch is about a megabyte, and each nesting level built by concatenation copied it
+    again (five copies, each a fresh large allocation: 1.9 ms of a batch's 3.5 ms of CPU)."""
+    parts = [b"", b"", resource, b"", scope, *spans]
+    inner = sum(map(len, parts))
+    parts[3] = b"\x12" + _varint(inner - len(resource))  # ScopeSpans, field 2 of ResourceSpans
+    parts[0], parts[1] = b"\x0a", _varint(inner + len(parts[3]))  # ResourceSpans, field 1
+    return b"".join(parts)
+
+
+def _status_error(description: str) -> bytes:
+    """status (15): Status {message 2, code 3 = ERROR}."""
+    return _field(0x7A, _field(0x12, description.encode()) + b"\x18\x02")
+
+
+class SpanEncoder:
+    """A finished `RequestTrace` as its ScopeSpans.spans (2) fields, children first, root last.
+
+    Encoded attribute (name, value) pairs of strings and ints are cached: most of a request's
+    attributes (model, pool, replica, policy, outcome, status) repeat from request to request.
+    """
+
+    def __init__(self, max_attributes: int = 128, max_value_len: int | None = None) -> None:
+        self.max_attributes = max_attributes
+        self.max_value_len = max_value_len
+        self._cache: dict[tuple[str, Any], tuple[type, bytes]] = {}
+        # a whole attribute block, by the mapping's id (attempt spans of the same shape share one
+        # read-only mapping, roots their repeating group); the mapping is kept, so its id is not
+        # reused meanwhile
+        self._blocks: dict[int, tuple[Mapping[str, Any], bytes]] = {}
+        # name (5) and kind (6) of each span shape
+        self._root_name = _field(0x2A, ROOT_SPAN.encode()) + _KIND["SERVER"]
+        self._child_name = {
+            n: _field(0x2A, n.encode()) + _KIND[k] for n, k in SPAN_KINDS.items() if n != ROOT_SPAN
+        }
+
+    def encode(self, rt: RequestTrace) -> bytes:
+        head = b"\x0a\x10" + rt.tid.to_bytes(16, "big")  # trace_id (1)
+        ts = rt.trace_state
+        state = _field(0x1A, ts.to_header().encode()) if ts else b""  # trace_state (3)
+        root_id = rt.sid.to_bytes(8, "big")
+        names = self._child_name
+        pre = head + b"\x12\x08"  # then span_id (2)
+        mid = state + b"\x22\x08" + root_id  # parent_span_id (4)
+        base = len(pre) + 8 + len(mid) + 18  # span id, and the two times: 18 bytes
+        out: list[bytes] = []
+        add = out.extend
+        for name, span_id, start, end, attrs, error in rt.segments:
+            kind = names.get(name) or _field(0x2A, name.encode()) + _KIND["INTERNAL"]
+            block = self._block(attrs) if attrs else b""
+            tail = _TAIL_OK if error is None else _status_error(error) + _FLAGS_LOCAL
+            n = base + len(kind) + len(block) + len(tail)
+            # one spans (2) field per child, its bytes gathered into one join with the others'
+            add((_LEN_SPAN[n] if n < 1024 else b"\x12" + _varint(n), pre,
+                 span_id.to_bytes(8, "big"), mid, kind, _TIMES(0x39, start, 0x41, end), block, tail))  # fmt: skip
+        parent = rt.parent
+        body = b"".join(
+            (
+                pre,
+                root_id,
+                state,
+                b"\x22\x08" + parent.span_id.to_bytes(8, "big") if parent is not None else b"",
+                self._root_name,
+                _TIMES(0x39, rt.start_ns, 0x41, rt.end_ns),
+                self.attributes(rt.attributes, rt.group),
+                _STATUS_UNSET if rt.error is None else _status_error(rt.error),
+                _FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL,
+            )
+        )
+        out.append(_field(0x12, body))
+        return b"".join(out)
+
+    def _block(self, attrs: Mapping[str, Any]) -> bytes:
+        """Attributes of a shared read-only mapping, encoded once per mapping object."""
+        hit = self._blocks.get(id(attrs))
+        if hit is not None and hit[0] is attrs:
+            return hit[1]
+        block = self.attributes(attrs)
+        if len(self._blocks) >= _CACHE_MAX:
+            self._blocks.clear()
+        self._blocks[id(attrs)] = (attrs, block)
+        return block
+
+    def attributes(self, attrs: Mapping[str, Any], group: Mapping[str, Any] | None = None) -> bytes:
+        """Span.attributes (9) fields, and dropped_attributes_count (10) past the count limit.
+
+        `group`, when given, is the mapping `attrs` begins with (`RequestTrace.group`, shared by
+        the traces that repeat it): it is encoded once, as one cached block.
+        """
+        items: Iterable[tuple[str, Any]] = attrs.items()
+        dropped = len(attrs) - self.max_attributes
+        parts = []
+        if dropped > 0:  # as the SDK's BoundedAttributes: the latest ones are kept
+            items = list(items)[dropped:]
+        elif group is not None:
+            parts.append(self._block(group))
+            items = islice(items, len(group), None)
+        cache, max_len = self._cache, self.max_value_len
+        for item in items:
+            # (name, value) is the key; the value's type is checked as 1 == 1.0 == True
+            try:
+                hit = cache.get(item)
+            except TypeError:  # an unhashable value (a list)
+                hit = None
+            if hit is not None and hit[0] is type(item[1]):
+                parts.append(hit[1])
+                continue
+            name, value = item
+            kv = _key_value(0x4A, name, value, max_len)
+            kind = type(value)
+            if kind is str or kind is int or (kind is tuple and all(type(v) is str for v in value)):
+                if len(cache) >= _CACHE_MAX:
+                    cache.clear()
+                cache[item] = (kind, kv)
+            parts.append(kv)
+        if dropped > 0:
+            parts.append(b"\x50" + _varint(dropped))
+        return b"".join(parts)

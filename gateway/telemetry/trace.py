@@ -1,0 +1,396 @@
+"""One request's trace as the request path records it (`RequestTrace`), and the span shape.
+
+`tracing.py` opens a trace per request and picks the sink; the sinks (`otlp.py` for OTLP/HTTP,
+`tracing_sdk.py` for the SDK's exporters) read finished traces from here.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from opentelemetry.trace import SpanContext, TraceState
+
+from gateway.telemetry.trace_http import (
+    ATTEMPT_ATTRIBUTES,
+    ATTEMPT_SPAN,
+    attempt_spans,
+    http_server,
+)
+
+__all__ = [
+    "ATTEMPT_ATTRIBUTES",
+    "ATTEMPT_SPAN",
+    "ATTRIBUTES",
+    "ROOT_SPAN",
+    "SCOPE_NAME",
+    "SEGMENTS",
+    "SPAN_KINDS",
+    "TYPES",
+    "Child",
+    "RequestTrace",
+    "SpanSink",
+]
+
+_getrandbits = random.getrandbits  # what the SDK's RandomIdGenerator uses
+
+Segment = tuple[int, int]
+# an upstream attempt as `Forwarded.attempts` holds it (perf_counter_ns stamps): replica, its URL,
+# start, end (0: the answer's end), status (0: none), failover outcome (None: this one answered)
+Attempt = tuple[str, str, int, int, int, "str | None"]
+# a child span once built: name, span id, start, end (epoch ns), attributes, error type or None
+Child = tuple[str, int, int, int, "Mapping[str, Any]", "str | None"]
+# root attributes by name; or a pair: those that repeat from request to request, the measured;
+# or a triple: those two, then the route span's own (the route receipt)
+Named = (
+    Mapping[str, Any]
+    | tuple[Mapping[str, Any], Mapping[str, Any]]
+    | tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]
+)
+# what RequestTrace.finish was given
+_Given = tuple[
+    "tuple[Segment | None, ...]",
+    "Sequence[Attempt]",
+    int,
+    "Named | Callable[[], Named] | None",
+    str | None,
+]
+
+ROOT_SPAN = "gateway.request"
+SCOPE_NAME = "gateway"
+# the child spans of the root that follow each other, in the order a request passes through them:
+# the route span is hash + index match, before the admission queue; the policy's choice
+# (microseconds) ends the queue. A streamed answer has prefill + decode; a non-streamed one
+# has generate instead (the gateway cannot see its first token).
+SEGMENTS = (
+    "gateway.route",
+    "gateway.queue",
+    "upstream.prefill",
+    "upstream.decode",
+    "upstream.generate",
+)
+# a disaggregated pool's request (gateway/pd.py) also has kv.transfer: its prefill leg answered
+# (upstream.prefill) → the decode replica's first byte; the order segments are built in
+_ORDER = (*SEGMENTS[:3], "kv.transfer", *SEGMENTS[3:])
+SPAN_KINDS: dict[str, str] = {
+    ROOT_SPAN: "SERVER",
+    **dict.fromkeys(_ORDER, "INTERNAL"),
+    ATTEMPT_SPAN: "CLIENT",  # one per attempt on the wire, overlapping the upstream segments
+}
+
+# keyword of RequestTrace.set / key of finish(attrs=...) → root span attribute name
+ATTRIBUTES: dict[str, str] = {
+    "tenant": "gateway.tenant",
+    "priority": "gateway.priority",
+    "model": "gen_ai.request.model",
+    "pool": "gateway.pool",
+    "config_version": "gateway.config.version",
+    "replica": "gateway.replica",
+    "policy": "gateway.policy",
+    "route_reason": "gateway.route.reason",
+    "input_tokens": "gen_ai.usage.input_tokens",
+    "prompt_tokens_estimated": "gateway.prompt_tokens.estimated",
+    "predicted_cached_blocks": "gateway.prefix.predicted_cached_blocks",
+    "route_hash_us": "gateway.route.hash_us",
+    "route_match_us": "gateway.route.match_us",
+    "route_choose_us": "gateway.route.choose_us",
+    "prompt_blocks": "gateway.prefix.prompt_blocks",
+    "output_tokens": "gen_ai.usage.output_tokens",
+    "ttft_s": "gateway.ttft_s",
+    "tpot_s": "gateway.tpot_s",
+    "retries": "gateway.retries",
+    "replicas_tried": "gateway.replicas_tried",
+    "outcome": "gateway.outcome",
+    "error_type": "error.type",
+    "status_code": "http.response.status_code",
+    # HTTP server span semantic conventions (stable)
+    "method": "http.request.method",
+    "url_path": "url.path",
+    "url_scheme": "url.scheme",
+    "route": "http.route",
+    "server_address": "server.address",
+    "server_port": "server.port",
+    "user_agent": "user_agent.original",
+}
+# the route receipt (gateway/receipt.py), attributes of the gateway.route span once the answer
+# came: predicted vs engine-reported cached prompt tokens, and the verdict
+ROUTE_ATTRIBUTES: dict[str, str] = {
+    "receipt_predicted_tokens": "gateway.route.predicted_cached_tokens",
+    "receipt_cached_tokens": "gateway.route.cached_tokens",
+    "receipt_verdict": "gateway.route.receipt",
+}
+# the type of every root and attempt attribute, as docs/tracing.md states it (a test holds the
+# two together)
+TYPES: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "gateway.tenant", "gateway.priority", "gen_ai.request.model", "gateway.pool",
+            "gateway.replica", "gateway.policy", "gateway.route.reason", "gateway.outcome",
+            "error.type", "http.request.method", "url.path", "url.scheme", "http.route",
+            "server.address", "user_agent.original", "url.full", "gateway.route.receipt",
+        ),
+        "string",
+    ),
+    **dict.fromkeys(
+        (
+            "gateway.config.version", "gen_ai.usage.input_tokens",
+            "gateway.prompt_tokens.estimated", "gateway.prefix.predicted_cached_blocks",
+            "gateway.route.hash_us", "gateway.route.match_us", "gateway.route.choose_us",
+            "gateway.prefix.prompt_blocks", "gen_ai.usage.output_tokens", "gateway.retries",
+            "http.response.status_code", "server.port", "http.request.resend_count",
+            "gateway.route.predicted_cached_tokens", "gateway.route.cached_tokens",
+        ),
+        "int",
+    ),
+    "gateway.ttft_s": "float",
+    "gateway.tpot_s": "float",
+    "gateway.replicas_tried": "string[]",
+}  # fmt: skip
+_TTFT, _TPOT = ATTRIBUTES["ttft_s"], ATTRIBUTES["tpot_s"]
+_OUTPUT, _OUTCOME = ATTRIBUTES["output_tokens"], ATTRIBUTES["outcome"]
+_STATUS, _ERROR_TYPE = ATTRIBUTES["status_code"], ATTRIBUTES["error_type"]
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+class SpanSink(Protocol):
+    """Where finished, sampled traces go: `end` runs on the event loop and must never block.
+
+    It calls `trace.build()` (now or later, on any one thread) before reading the spans.
+    """
+
+    def end(self, trace: RequestTrace) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class RequestTrace:
+    """One request's trace: the root span's identity while the request runs, its spans after.
+
+    `tid` and `sid` are the trace's and the root span's ids (ints). `finish` only keeps what it
+    is given and passes the trace to the sink; `build` (the sink calls it, on the export thread
+    for OTLP/HTTP) turns that into `segments`, the child spans (`Child`: the sequential segments,
+    then one `upstream.attempt` per attempt), the root's `attributes`, its `error` status and
+    `end_ns`.
+    """
+
+    NAMES = ATTRIBUTES  # keyword → span attribute name
+
+    __slots__ = (
+        "_sink",
+        "_offset",
+        "_done",
+        "_given",
+        "tid",
+        "sid",
+        "parent",
+        "trace_state",
+        "sampled",
+        "start_ns",
+        "end_ns",
+        "spans",
+        "segments",
+        "attributes",
+        "error",
+        "host",
+        "agent",
+        "group",
+    )
+
+    def __init__(
+        self,
+        sink: SpanSink,
+        trace_id: int,
+        span_id: int,
+        parent: SpanContext | None,
+        trace_state: TraceState | None,
+        sampled: bool,
+        start_ns: int,
+        host: bytes | None = None,
+        agent: bytes | None = None,
+    ) -> None:
+        self._sink = sink
+        self._offset = time.time_ns() - time.perf_counter_ns()
+        self._done = False
+        self._given: _Given | None = None
+        self.tid = trace_id
+        self.sid = span_id
+        self.parent = parent  # the caller's span (remote), None for a new trace
+        self.trace_state = trace_state
+        self.sampled = sampled
+        self.start_ns = start_ns
+        self.end_ns = start_ns
+        self.spans = 1  # how many spans `finish` was given: the root and its children
+        self.segments: list[Child] = []
+        self.attributes: dict[str, Any] = {}
+        self.error: str | None = None
+        self.host = host  # the request's Host and User-Agent headers, named when built
+        self.agent = agent
+        # the leading `attributes` that repeat from request to request as a set (a request's
+        # names: model, tenant, pool, replica, status...), one mapping shared by the traces
+        # that have them, which an encoder may encode once; `attributes` begins with it and
+        # never changes those entries; None when there is no such set
+        self.group: Mapping[str, Any] | None = None
+
+    @property
+    def trace_id(self) -> str:
+        return f"{self.tid:032x}"
+
+    def traceparent(self) -> str:
+        """The W3C header for the upstream request; its parent is the root span."""
+        return f"00-{self.tid:032x}-{self.sid:016x}-{'01' if self.sampled else '00'}"
+
+    def tracestate(self) -> str | None:
+        """The incoming tracestate to forward upstream, or None."""
+        ts = self.trace_state
+        return ts.to_header() if ts else None
+
+    def epoch_ns(self, perf_counter_ns: int) -> int:
+        """A `time.perf_counter_ns()` reading as epoch ns, on the clock offset taken at start."""
+        return perf_counter_ns + self._offset
+
+    def set(self, attrs: Mapping[str, Any] | None = None, /, **kw: Any) -> None:
+        """Root attributes: keywords are ATTRIBUTES keys; the mapping may also use dotted names."""
+        if not self.sampled:
+            return
+        if attrs:
+            self.attributes.update(_names(attrs))
+        if kw:
+            self.attributes.update(_names(kw))
+
+    def finish(
+        self,
+        *,
+        queue: Segment | None = None,
+        route: Segment | None = None,
+        prefill: Segment | None = None,
+        decode: Segment | None = None,
+        generate: Segment | None = None,
+        attempts: Sequence[Attempt] = (),
+        end_ns: int,
+        transfer: Segment | None = None,
+        attrs: Mapping[str, Any] | None = None,
+        named: Named | Callable[[], Named] | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        """End the trace: the given segments (epoch ns) become child spans, in order, and each
+        of `attempts` an `upstream.attempt` span.
+
+        `attrs` are root attributes as in `set` (checked now); `named` are more, by span
+        attribute name and without None values, or a function that returns them when the spans
+        are built (the request path's form: nothing is named on the event loop); as a
+        pair, the attributes that repeat from request to request (a read-only mapping: one per
+        set of values, shared), then the measured ones. A segment that starts before the
+        previous one ended is moved up to that end, so the segments never overlap;
+        `gateway.ttft_s` (from `prefill` only: a non-streamed answer's first token is not seen)
+        and `gateway.tpot_s` (from `decode`) are derived when not given. `attempts`
+        are as `Forwarded.attempts` holds them (perf_counter_ns stamps, turned into epoch ns on
+        this trace's clock offset when built).
+        """
+        if self._done:
+            return
+        self._done = True
+        if not self.sampled:
+            return
+        if attrs:
+            self.attributes.update(_names(attrs))
+        segments = (route, queue, prefill, transfer, decode, generate)
+        self._given = (segments, attempts, end_ns, named, error_type)
+        self.spans = 1 + len(attempts) + 6 - segments.count(None)
+        self._sink.end(self)
+
+    def build(self) -> None:
+        """The spans from what `finish` was given (once; the sink calls it)."""
+        given, self._given = self._given, None
+        if given is None:
+            return
+        segs, attempts, end_ns, named, error_type = given
+        values = self.attributes
+        got = (named() if callable(named) else named) if named else _EMPTY
+        route_attrs = _EMPTY
+        if isinstance(got, tuple):
+            repeat, measured = got[0], got[1]
+            if len(got) == 3:
+                route_attrs = got[2]
+        else:
+            repeat, measured = got, None
+        if not values and measured is not None and type(repeat) is MappingProxyType:
+            # a shared (read-only) repeating set: with the Host's names, one mapping, kept
+            key = (id(repeat), self.host, self.agent)
+            hit = _groups.get(key)
+            if hit is None or hit[0] is not repeat:
+                hit = _group(key, repeat)
+            self.group = group = hit[1]
+            values.update(group)
+        else:
+            values.update(repeat)
+            if self.host is not None or self.agent is not None:
+                http_server(values, self.host, self.agent)
+        if measured is not None:
+            values.update(measured)
+        children = self.segments
+        start = prev = self.start_ns
+        for name, seg in zip(_ORDER, segs):  # noqa: B905 - both have six
+            if seg is not None:
+                s = seg[0] if seg[0] > prev else prev
+                prev = seg[1] if seg[1] > s else s
+                attrs = route_attrs if name == "gateway.route" else _EMPTY
+                children.append((name, _getrandbits(64) or 1, s, prev, attrs, None))
+        prefill, decode = segs[3] or segs[2], segs[4]  # P/D: the first token ends kv.transfer
+        if prefill is not None and _TTFT not in values:
+            values[_TTFT] = (max(prefill[1], start) - start) / 1e9
+        if decode is not None and _TPOT not in values:
+            out = values.get(_OUTPUT)
+            if isinstance(out, int) and out > 1:
+                values[_TPOT] = max(decode[1] - decode[0], 0) / 1e9 / (out - 1)
+        end = max(end_ns, prev)
+        if attempts:
+            attempt_spans(children, attempts, values, self._offset, start, prev, end)
+        status = values.get(_STATUS)
+        if error_type is None:
+            # HTTP semantic conventions: a 5xx is an error of a server span, error.type its code
+            if isinstance(status, int) and status >= 500:
+                error_type = str(status)
+        if error_type is not None:
+            values[_ERROR_TYPE] = error_type
+            values.setdefault(_OUTCOME, "error")
+            # ... and a 4xx answered leaves a server span's status unset (the client's error)
+            if not (isinstance(status, int) and 400 <= status < 500):
+                self.error = error_type
+        else:
+            values.setdefault(_OUTCOME, "ok")
+        self.end_ns = end
+
+
+_GROUPS_MAX = 4096  # groups kept; cleared when full
+# (id of a named repeating set, Host, User-Agent) → (that set, kept alive; the group)
+_groups: dict[tuple[int, bytes | None, bytes | None], tuple[Mapping[str, Any], Mapping[str, Any]]]
+_groups = {}
+
+
+def _group(
+    key: tuple[int, bytes | None, bytes | None], repeat: Mapping[str, Any]
+) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """A repeating set with the request's Host and User-Agent names, as one read-only mapping."""
+    values = dict(repeat)
+    http_server(values, key[1], key[2])
+    if len(_groups) >= _GROUPS_MAX:
+        _groups.clear()
+    hit = _groups[key] = (repeat, values)  # a dict (dict.update takes it fast), never changed
+    return hit
+
+
+def _names(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in attrs.items():
+        if value is None:
+            continue
+        name = ATTRIBUTES.get(key)
+        if name is None:
+            if "." not in key:
+                raise TypeError(f"unknown trace attribute {key!r}; known: {', '.join(ATTRIBUTES)}")
+            name = key
+        out[name] = value
+    return out

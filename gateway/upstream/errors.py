@@ -1,0 +1,71 @@
+"""A replica's error answers in the gateway's vocabulary, and addresses hidden from messages."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+from gateway.errors import ERROR_TYPES, code_for_status, type_for_status
+
+
+def normalize_error_body(status: int, body: bytes, expose: bool) -> tuple[bytes, str]:
+    """A replica's error answer in the gateway's vocabulary: (the body to send, its error type).
+
+    The nested OpenAI shape whatever the replica sent (vLLM's nested shape with its own `type`
+    and an integer code, SGLang's flat one, plain text, HTML): `type` from ERROR_TYPES (the
+    replica's when it is one, else its status's), a string `code`, the replica's `message`
+    (unless there is none in a JSON body: then a generic one). `expose` false: addresses and URLs
+    in the message are replaced by `<hidden>` and a `param` that is no field name is dropped.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    err: dict[str, Any] | None = None
+    if isinstance(data, dict):
+        inner = data.get("error")
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            err = inner
+        elif isinstance(data.get("message"), str):
+            err = data
+    if err is None:
+        err = {}
+    message = err.get("message") or f"The upstream replica answered {status}"
+    param = err.get("param") if isinstance(err.get("param"), str) else None
+    if not expose:
+        message = hide_addresses(message)
+        if param is not None and not _FIELD.fullmatch(param):
+            param = None
+    kind = err.get("type")
+    if not (isinstance(kind, str) and kind in ERROR_TYPES):
+        kind = type_for_status(status)
+    code = err.get("code")
+    if not (isinstance(code, str) and _CODE.fullmatch(code)):
+        code = "model_not_found" if status == 404 and param == "model" else code_for_status(status)
+    out = {
+        "message": message,
+        "type": kind,
+        "param": param,
+        "code": code,
+    }
+    return orjson.dumps({"error": out}), kind
+
+
+_FIELD = re.compile(r"[A-Za-z_][\w.\[\]-]{0,63}")  # a request field's name (`messages[0].content`)
+_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_ADDRESS = re.compile(
+    r"[a-z][a-z0-9+.-]*://[^\s'\"<>]+"  # a URL
+    r"|\[[0-9a-f:.]+\](?::\d+)?"  # [IPv6]:port
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"  # IPv4[:port]
+    r"|\b(?:[0-9a-f]{1,4}:){7}[0-9a-f]{1,4}\b"  # IPv6, full
+    r"|\b(?:[0-9a-f]{1,4}:){1,6}(?::[0-9a-f]{1,4}){1,6}\b|(?<![\w:])::1\b"  # IPv6, with ::
+    r"|\b(?:localhost|[a-z0-9-]+(?:\.[a-z0-9-]+)+):\d{2,5}\b",  # host:port
+    re.IGNORECASE,
+)
+
+
+def hide_addresses(text: str) -> str:
+    """`text` with every URL, IP address and host:port replaced by `<hidden>`."""
+    return _ADDRESS.sub("<hidden>", text) if ("." in text or ":" in text) else text
