@@ -2,7 +2,7 @@
 
 A pass-through that does nothing a gateway must do (no parsing of the body, no routing, no
 limits, metrics or index): each POST goes on, round robin, to the next upstream over the
-gateway's own upstream client (`gateway/http_client.py`), and the answer comes back, streamed
+gateway's own upstream client (`gateway/upstream/client.py`), and the answer comes back, streamed
 bodies chunk by chunk. Two server layers in front of it, one per row:
 
 - `uvicorn`: a bare ASGI app under uvicorn with httptools and uvloop, configured as `gateway

@@ -86,7 +86,7 @@ class Lean:
 class Aiohttp:
     name = "aiohttp"
 
-    def __init__(self) -> None:  # as gateway/proxy.py:make_session builds it
+    def __init__(self) -> None:  # as gateway/upstream/proxy.py:make_session builds it
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=10
         )

@@ -38,7 +38,7 @@ class RoutedRequest:
 
 @dataclass(frozen=True, slots=True)
 class LoraView:
-    """What the gateway knows of one replica's LoRA adapters (gateway/lora.py; docs/lora.md).
+    """What the gateway knows of one replica's LoRA adapters (gateway/routing/lora.py; docs/lora.md).
 
     `served`: adapters it can serve now (its `/v1/models` cards with a `parent`). `loadable`:
     adapters the gateway may load on it for this request (managed placement, within the
@@ -98,7 +98,7 @@ class ReplicaView:
     # blocks after `hit_blocks` its lower KV tiers hold, by tier ("cpu", "disk", "shared"):
     # loadable instead of recomputed (docs/tiers.md); None: no tier knowledge
     tier_hits: Mapping[str, int] | None = None
-    # what its engine measured of its loads from each lower tier (gateway/tier_load.py): tier ->
+    # what its engine measured of its loads from each lower tier (gateway/fleet/tier_load.py): tier ->
     # (seconds per byte, seconds per token), one of them 0; n tokens load in
     # n x (kv_bytes_per_token x first + second) seconds. vLLM's transfer counters give seconds
     # per byte, LMCache's store seconds per token. None: the engine reports no such load

@@ -4,7 +4,7 @@ audio gives the same text), `{"text": ..., "usage": {"type": "duration", "second
 answers, or plain text with `response_format: text`.
 
 The form is read by a small parser of its own (no python-multipart; the simulator imports nothing
-of the gateway, whose `gateway/multipart.py` reads only the text fields).
+of the gateway, whose `gateway/api/multipart.py` reads only the text fields).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Parse and check the bodies of the endpoint kinds beyond chat and completions (vLLM's OpenAI
 server: embeddings, pooling, classify, score, rerank, tokenize, detokenize, responses; multipart
-audio in `gateway/multipart.py`); pure, no I/O.
+audio in `gateway/api/multipart.py`); pure, no I/O.
 
 Only what the gateway relies on is checked (the `model`, the fields it routes or counts by, their
 types: a wrong type is a 400 naming the field in `param`); every other field passes through to the
@@ -35,16 +35,7 @@ def parse_json(kind: str, raw: bytes, check: Check, *, streams: bool = False) ->
     model = model_field(body, required=False)
     check(body)
     stream = stream_fields(body)[0] if streams else False
-    return ParsedRequest(
-        kind=kind,
-        raw=raw,
-        body=body,
-        model=model,
-        stream=stream,
-        include_usage=False,
-        max_tokens=None,
-        user=common_fields(body),
-    )
+    return ParsedRequest(kind, raw, body, model, stream, user=common_fields(body))
 
 
 def parse_responses(raw: bytes) -> ParsedRequest:

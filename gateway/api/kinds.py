@@ -26,8 +26,7 @@ import orjson
 from gateway.api import bodies
 from gateway.api.multipart import parse_audio
 from gateway.api.openai import ParsedRequest, parse_body
-from gateway.api.responses_stream import ResponsesTap
-from gateway.api.streams import StreamTap
+from gateway.api.streams import ResponsesTap, StreamTap
 from prefix_index.chunking import Chunker
 from prefix_index.templates import responses_messages
 
@@ -221,10 +220,8 @@ def parse_passthrough(raw: bytes, content_type: bytes | None) -> ParsedRequest:
         if isinstance(loaded, dict):
             body = loaded
     model = body.get("model")
-    return ParsedRequest(
-        kind="passthrough", raw=raw, body=body, model=model if isinstance(model, str) else "",
-        stream=False, include_usage=True, max_tokens=None, user=None,
-    )  # fmt: skip
+    return ParsedRequest("passthrough", raw, body, model if isinstance(model, str) else "",
+                         include_usage=True)  # fmt: skip
 
 
 def passthrough_kind(method: bytes, path: str) -> EndpointKind:

@@ -89,13 +89,6 @@ def parse_audio(kind: str, raw: bytes, content_type: bytes | None) -> ParsedRequ
     stream = fields.get("stream", "false").strip().lower()
     if stream not in ("true", "false", ""):
         raise BadRequest("'stream' must be true or false", param="stream")
-    return ParsedRequest(
-        kind=kind,
-        raw=raw,
-        body=dict(fields),
-        model=model,
-        stream=stream == "true",
-        include_usage=True,  # the body is forwarded as it came: nothing is asked for
-        max_tokens=None,
-        user=fields.get("user"),
-    )
+    # include_usage: the body is forwarded as it came, nothing is asked for on the client's behalf
+    return ParsedRequest(kind, raw, dict(fields), model, stream == "true", include_usage=True,
+                         user=fields.get("user"))  # fmt: skip

@@ -2,8 +2,8 @@
 shares: `load_object`, `model_field`, `stream_fields`, `common_fields`); pure, no I/O.
 
 The raw bytes are kept and forwarded as they came: the gateway never re-encodes a body it did not
-have to change. The other endpoint kinds' checks are in `gateway/bodies.py`, the table of kinds in
-`gateway/kinds.py`.
+have to change. The other endpoint kinds' checks are in `gateway/api/bodies.py`, the table of kinds in
+`gateway/api/kinds.py`.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ class ParsedRequest:
     raw: bytes
     body: dict[str, Any]
     model: str
-    stream: bool
-    include_usage: bool
-    max_tokens: int | None
-    user: str | None
+    stream: bool = False
+    include_usage: bool = False  # the client asked for a final usage chunk itself
+    max_tokens: int | None = None
+    user: str | None = None
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -231,14 +231,4 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
     if mct is not None:
         max_tokens = mct
     optional_int(body, "n", 1, 128)
-    user = common_fields(body)
-    return ParsedRequest(
-        kind=kind,
-        raw=raw,
-        body=body,
-        model=model,
-        stream=stream,
-        include_usage=include_usage,
-        max_tokens=max_tokens,
-        user=user,
-    )
+    return ParsedRequest(kind, raw, body, model, stream, include_usage, max_tokens, common_fields(body))

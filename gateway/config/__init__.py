@@ -3,7 +3,8 @@
 Every error names its key path (`pools.chat.replicas[1].url: not an http(s) URL`); unknown keys are
 errors; `${ENV}` / `${ENV:-default}` in any string is replaced from the environment before checks.
 Here: the whole file (`Config`, with the rules across its sections), masking secrets, loading.
-Each section's model is in `config_sections.py` (re-exported here).
+Each section's model is in `sections.py` (re-exported here); config errors' wording in
+`errors.py`, hot reload in `reload.py`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.config.errors import describe_errors
-from gateway.config.pd import PdSetConfig
 from gateway.config.sections import (
     AdmissionConfig,
     ChunkingConfig,
@@ -65,8 +65,6 @@ __all__ = [
     "mask_url_passwords",
     "parse_config",
 ]
-
-PoolConfig.model_rebuild(_types_namespace={"PdSetConfig": PdSetConfig})  # config_pd imports us
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 

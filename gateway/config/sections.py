@@ -1,20 +1,40 @@
 """The models of routes.yaml's sections (`server:`, `pools:` and what a pool holds, `routes:`,
 `index:`, `admission:`), each checking its own fields. The whole file, the rules across sections
-and loading are `config.py`."""
+and loading are the package's (`gateway/config/__init__.py`).
+
+A disaggregated (prefill/decode) pool's: `pools.<p>.prefill`, `.decode`, `.protocol`.
+
+```yaml
+pools:
+  chat-pd:
+    protocol: vllm-nixl          # or sglang
+    policy: ttft                 # picks the prefill replica (prefix hit + prefill queue)
+    prefill:
+      replicas: [http://10.0.0.21:8000]
+      bootstrap_port: 8998       # sglang: the prefill servers' --disaggregation-bootstrap-port
+                                 # (a replica may set its own: {url: ..., bootstrap_port: 9000})
+    decode:
+      replicas: [http://10.0.0.31:8000]
+      max_inflight_per_replica: 128
+```
+
+Each set takes `replicas` or `discovery` (the same `discovery:` an aggregated pool takes: dns,
+kubernetes, static; `bootstrap_port` at the set level then applies to every discovered replica)
+and, optionally, its own `max_inflight_per_replica`, `health`, `timeouts` and `retries` (else the
+pool's). `role_config(…)` turns a set into the plain pool config its replicas are built, probed,
+timed and discovered with (docs/pd.md).
+"""
 
 from __future__ import annotations
 
 import fnmatch
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from gateway.fleet.discovery import DiscoveryConfig
-
-if TYPE_CHECKING:
-    from gateway.config.pd import PdSetConfig
 
 
 class _Strict(BaseModel):
@@ -184,7 +204,7 @@ class PoolConfig(_Strict):
     # answer (None: the engine's context less the prompt, from its /v1/models max_model_len)
     default_max_tokens: int | None = Field(None, ge=1, le=10_000_000)
     lora: LoraConfig = LoraConfig()
-    protocol: Literal["vllm-nixl", "sglang"] | None = None  # P/D: two sets (config_pd.py)
+    protocol: Literal["vllm-nixl", "sglang"] | None = None  # P/D: two sets (PdSetConfig)
     prefill: PdSetConfig | None = None
     decode: PdSetConfig | None = None
 
@@ -208,7 +228,7 @@ class PoolConfig(_Strict):
 
     @model_validator(mode="after")
     def _replicas_or_discovery(self) -> PoolConfig:
-        from gateway.config.pd import pd_problem
+        from gateway.config.sections import pd_problem
 
         if (problem := pd_problem(self)) is not None:
             raise ValueError(problem)
@@ -363,10 +383,10 @@ class AdmissionConfig(_Strict):
 
 class FleetConfig(_Strict):
     """`fleet:` gateways that front the same replicas share their load through Redis
-    (gateway/fleet_load.py, docs/scaleout.md). `shared_load: null` (the default) follows the
+    (gateway/fleet/shared_load.py, docs/scaleout.md). `shared_load: null` (the default) follows the
     index: on with `index.backend: redis`, off with the memory index. With it on,
     `max_inflight_per_replica` is a fleet-wide cap: each gateway counts its own requests plus
-    the others' as of their last tick or push (gateway/fleet_push.py)."""
+    the others' as of their last tick or push (gateway/fleet/shared_load.py)."""
 
     shared_load: bool | None = None  # None: on when index.backend is redis
     redis_url: str | None = None  # None: index.redis_url
@@ -399,3 +419,109 @@ class FleetConfig(_Strict):
                 "count as gone between their ticks"
             )
         return self
+
+
+Protocol = Literal["vllm-nixl", "sglang"]
+ROLES = ("prefill", "decode")
+
+
+class PdReplicaConfig(ReplicaConfig):
+    """A replica of a P/D set; an SGLang prefill replica may name its own bootstrap port."""
+
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+
+
+class PdSetConfig(_Strict):
+    """One role's replica set of a disaggregated pool."""
+
+    replicas: tuple[PdReplicaConfig, ...] = ()
+    discovery: DiscoveryConfig | None = None  # instead of `replicas`: dns, kubernetes or static
+    max_inflight_per_replica: int | None = Field(None, ge=1)
+    health: HealthConfig | None = None
+    timeouts: TimeoutsConfig | None = None
+    retries: int | None = Field(None, ge=0, le=10)
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)  # sglang prefill: bootstrap server
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_set(cls, v: Any) -> Any:
+        if isinstance(v, dict) and "replicas" not in v and "discovery" not in v:
+            raise ValueError(
+                "expected a replica set: a mapping with `replicas` (a list of replica URLs) "
+                "or `discovery`"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _replicas_or_discovery(self) -> PdSetConfig:
+        if self.discovery is not None and self.replicas:
+            raise ValueError("replicas: set either `replicas` or `discovery`, not both")
+        if self.discovery is None and not self.replicas:
+            raise ValueError("replicas: required (a list of replica URLs), unless `discovery` is set")
+        return self
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _short_form(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("expected at least one replica URL")
+            return [{"url": r} if isinstance(r, str) else r for r in v]
+        return v
+
+
+def pd_problem(pc: PoolConfig) -> str | None:
+    """What is wrong with a pool's P/D keys, as `key: message`; None when they are consistent."""
+    sets = {r: getattr(pc, r) for r in ROLES}
+    given = [r for r, s in sets.items() if s is not None]
+    if not given:
+        return (
+            "protocol: only for a disaggregated pool (with prefill: and decode:)"
+            if pc.protocol
+            else None
+        )
+    if len(given) == 1:
+        missing = next(r for r in ROLES if r not in given)
+        return f"{missing}: required with {given[0]}: (a disaggregated pool has both sets)"
+    if pc.protocol is None:
+        return "protocol: required for a disaggregated pool (vllm-nixl or sglang)"
+    if pc.replicas or pc.discovery is not None:
+        return "replicas: a disaggregated pool lists its replicas under prefill: and decode:"
+    for role in ROLES:
+        s = sets[role]
+        assert s is not None
+        ports = [("", s.bootstrap_port)] + [
+            (f".replicas[{i}]", r.bootstrap_port) for i, r in enumerate(s.replicas)
+        ]
+        for where, port in ports:
+            if port is not None and (role == "decode" or pc.protocol != "sglang"):
+                return f"{role}{where}.bootstrap_port: only an sglang pool's prefill set has a bootstrap server"
+    seen: dict[str, str] = {}
+    for role in ROLES:
+        s = sets[role]
+        assert s is not None
+        for i, r in enumerate(s.replicas):
+            where = f"{role}.replicas[{i}]"
+            if r.display_name in seen:
+                return f"{where}: name {r.display_name!r} repeats {seen[r.display_name]}"
+            seen[r.display_name] = where
+    return None
+
+
+def role_config(pc: PoolConfig, role: str) -> PoolConfig:
+    """The plain pool config of one role's set: its replicas, its settings over the pool's."""
+    s: PdSetConfig | None = getattr(pc, role)
+    assert s is not None
+    return pc.model_copy(
+        update={
+            "replicas": s.replicas,
+            "discovery": s.discovery,
+            "max_inflight_per_replica": s.max_inflight_per_replica or pc.max_inflight_per_replica,
+            "health": s.health or pc.health,
+            "timeouts": s.timeouts or pc.timeouts,
+            "retries": pc.retries if s.retries is None else s.retries,
+            "prefill": None,
+            "decode": None,
+            "protocol": None,
+        }
+    )

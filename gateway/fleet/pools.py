@@ -129,7 +129,7 @@ def pd_pool(
 ) -> Pool:
     """A disaggregated pool: a prefill and a decode pool (each with its set's settings), and the
     pool that holds both (what health, metrics and status iterate)."""
-    from gateway.config.pd import role_config
+    from gateway.config.sections import role_config
 
     parts = []
     for role in ("prefill", "decode"):

@@ -1,5 +1,5 @@
 """Replica state the router reads: health and circuit breaker, scraped load, the gateway's own counts
-and, with shared load, the other gateways' (`peer_*`, set by gateway/fleet_load.py).
+and, with shared load, the other gateways' (`peer_*`, set by gateway/fleet/shared_load.py).
 
 `ReplicaState.view()` turns it into the policies' read-only `ReplicaView`; `ReplicaMonitor` runs the
 per-replica background probe and scrape loops.
@@ -83,12 +83,12 @@ class ReplicaState:
     inflight_prompt_tokens: int = 0
     placed_blocks: int = 0  # blocks new to this replica routed to it, ever (cold placement)
     unrecords: int = 0  # failed dispatches whose unconfirmed blocks left the index
-    # the other gateways' figures for this replica as of the last fleet tick (gateway/fleet_load.py;
+    # the other gateways' figures for this replica as of the last fleet tick (gateway/fleet/shared_load.py;
     # 0 when load is not shared): routing and the in-flight cap count own + peers'
     peer_inflight: int = 0
     peer_prompt_tokens: int = 0
     peer_placed_blocks: int = 0
-    # new prefixes placed here and not yet prefilled, by their chain's key (gateway/router.py,
+    # new prefixes placed here and not yet prefilled, by their chain's key (gateway/routing/router.py,
     # Dispatch: a replica that held none of the prompt): own -> [tokens, requests], and the
     # peers' largest count per key. Two gateways that place one new prefix here at once count
     # its prefill once: the replica computes it once.
@@ -105,11 +105,11 @@ class ReplicaState:
     lora: ReplicaAdapters = field(default_factory=ReplicaAdapters)  # its LoRA adapters
     lora_max: int | None = None  # pools.<p>.lora.max_loras (None: the metric's)
     on_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
-    # its in-flight figures moved: the fleet's push publisher (gateway/fleet_push.py), set by
+    # its in-flight figures moved: the fleet's push publisher (gateway/fleet/shared_load.py), set by
     # the shared-load tick; None when load is not shared
     on_load: Callable[[], None] | None = field(default=None, repr=False)
     # with shared load, whether this gateway is the one of its fleet that scrapes the replica
-    # (by URL; the others take its samples by tick, gateway/fleet_scrape.py); None: it is
+    # (by URL; the others take its samples by tick, gateway/fleet/shared_scrape.py); None: it is
     scrape_here: Callable[[str], bool] | None = field(default=None, repr=False)
     # this gateway's own last scrape, what the fleet tick shares: (seq, when, sample, LoRA info)
     own_scrape: tuple[int, float, LoadSample, LoraInfo | None] | None = field(
@@ -226,7 +226,7 @@ class ReplicaState:
             if self.engine_started is not None and started != self.engine_started:
                 self.lost("the engine restarted (process_start_time_seconds changed)")
             self.engine_started = started
-        if lora is not None:  # adapters in flight, by the newest series (gateway/lora.py)
+        if lora is not None:  # adapters in flight, by the newest series (gateway/routing/lora.py)
             self.lora.set_metric(lora[0], lora[1], self.lora_max)
         tokens = sample.kv_tokens
         if tokens is not None and sample.block_size is not None:

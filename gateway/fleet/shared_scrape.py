@@ -1,5 +1,5 @@
 """Shared scrapes: with shared load, each replica's `/metrics` is scraped by one gateway of the
-fleet, and the others take its samples from the fleet's hash (gateway/fleet_load.py).
+fleet, and the others take its samples from the fleet's hash (gateway/fleet/shared_load.py).
 
 An engine renders its Prometheus text on the same process that streams its tokens: vLLM's API
 server, SGLang's tokenizer manager. A fleet of N gateways that each scrape every replica every

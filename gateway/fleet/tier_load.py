@@ -5,7 +5,7 @@ A configured bandwidth is a guess, and learning it from TTFT residuals is biased
 dominates the TTFT, so the default price is what the engine itself counts: vLLM's
 OffloadingConnector adds up the bytes it moved into the GPU from each tier and the seconds that
 took, LMCache the tokens its store served and the seconds it spent retrieving them
-(gateway/scrape.py parses both). `TierLoadMeter` turns successive scrapes of those counters into
+(gateway/fleet/scrape.py parses both). `TierLoadMeter` turns successive scrapes of those counters into
 seconds per byte (vLLM) or per token (LMCache): the ratio of their increases, decayed per scrape
 in which something moved so that it follows a link whose speed changes. A counter that went down
 (the engine restarted) restarts the tier's sums, its value counted from 0.

@@ -1,6 +1,6 @@
 """`create_app(config)`: the ASGI application, built explicitly from its parts.
 
-The proxied paths (every endpoint kind, `gateway/kinds.py`, and the operator's `passthrough:`
+The proxied paths (every endpoint kind, `gateway/api/kinds.py`, and the operator's `passthrough:`
 paths) are dispatched by a dict lookup in front of Starlette, so the hot path carries no framework
 middleware; everything else (health, metrics, models, admin) is plain Starlette.
 
@@ -156,7 +156,7 @@ class GatewayApp:
         return endpoint
 
     def begin_shutdown(self, grace_s: float) -> None:
-        """The server's graceful shutdown began (gateway.http_protocol): end streams in time."""
+        """The server's graceful shutdown began (gateway/http/protocol.py): end streams in time."""
         self.gateway.live_streams.close_in(grace_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

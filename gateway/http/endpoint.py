@@ -1,4 +1,4 @@
-"""The ASGI endpoint for a proxied path (one per endpoint kind, `gateway/kinds.py`): check the
+"""The ASGI endpoint for a proxied path (one per endpoint kind, `gateway/api/kinds.py`): check the
 key, read the body, run the pipeline, answer errors once.
 
 The API key is checked before a byte of the body is read, and the whole body must arrive within

@@ -1,7 +1,7 @@
 """`ResponseWriter`: the one way an answer leaves the gateway, whole or streamed.
 
 Under the gateway's own server protocol (`gateway serve`: uvicorn with GuardedHttpToolsProtocol)
-a response can go straight to the client's socket (`http_protocol.BodyWriter`, the lane: a head
+a response can go straight to the client's socket (`protocol.BodyWriter`, the lane: a head
 and a body in one write, a chunk without two coroutine calls and a copy); under any other ASGI
 server, or when the lane cannot take the bytes now (backpressure, a HEAD request, a header the
 lane will not write), they go through ASGI `send`. Callers never choose: they `whole`, or

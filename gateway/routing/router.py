@@ -86,7 +86,7 @@ def decision_header(routing: Routing) -> tuple[bytes, bytes]:
 
 
 class Offer(Protocol):
-    """Managed LoRA placement's offer (gateway/lora_placement.py): before a choice, the adapters
+    """Managed LoRA placement's offer (gateway/routing/lora_placement.py): before a choice, the adapters
     each replica of `pool` may load for a request of `model` (its views' `loadable`)."""
 
     def offer(self, pool: Pool, model: str) -> None: ...

@@ -219,7 +219,7 @@ class _RedisCollector(Collector):
 
 
 class _TracingCollector(Collector):
-    """The OTLP/HTTP exporter's counts (gateway/otlp.py); the families stay empty for the other
+    """The OTLP/HTTP exporter's counts (gateway/telemetry/otlp.py); the families stay empty for the other
     exporters, whose SDK processor keeps no such counts, and with tracing off."""
 
     _COUNTERS = (

@@ -2,7 +2,7 @@
 
 `OtlpHttpSink.end` runs on the event loop when a sampled request finishes and only queues the
 trace. A background thread takes what is queued, builds each trace's spans (the fixed shape of
-`trace_record.py`: a root, up to four segments, one span per upstream attempt), encodes them to
+`trace.py`: a root, up to four segments, one span per upstream attempt), encodes them to
 OTLP protobuf bytes and POSTs one
 `ExportTraceServiceRequest` per batch (resource and scope encoded once). No SDK span objects and
 no protobuf message objects are made; the bytes decode to what the SDK's OTLP exporter sends for

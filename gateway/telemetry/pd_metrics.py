@@ -1,4 +1,4 @@
-"""The series of disaggregated (P/D) pools, per role, registered beside metrics.py's (gateway/pd.py
+"""The series of disaggregated (P/D) pools, per role, registered beside metrics.py's (gateway/upstream/pd.py
 feeds them; README "Metrics" and docs/pd.md list them)."""
 
 from __future__ import annotations

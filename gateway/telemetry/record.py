@@ -215,7 +215,7 @@ class Recorder:
 
     @staticmethod
     def receipt(snap: Snapshot, rec: Record) -> Receipt | None:
-        """The served request's route receipt (gateway/receipt.py), if the engine reported."""
+        """The served request's route receipt (gateway/telemetry/receipt.py), if the engine reported."""
         sent, chunker = rec.sent, snap.chunker
         assert sent.predicted_tokens is not None
         block = sent.engine_block or int(chunker.tokens_per_block)

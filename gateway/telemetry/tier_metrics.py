@@ -13,7 +13,7 @@ time (the request path only adds to each pool's TierAudit; docs/tiers.md).
     gateway_replica_tier_load_gbps{pool,replica,tier}
                                                      the bandwidth the replica's engine measured
                                                      for its loads from a tier, which the ttft
-                                                     scorer prices it at (gateway/tier_load.py)
+                                                     scorer prices it at (gateway/fleet/tier_load.py)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One request per connection at a time, idle ones pooled per origin and closed once idle past their
 TTL. This module holds the connections, their pool and the timer wheel; `http_response.py` one
 response (the parser, body buffer, backpressure), `http_errors.py` the errors. The control plane
-(probes, scrapes, model lists) runs on its own instance (`control_client.py`).
+(probes, scrapes, model lists) runs on its own instance (`control.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from gateway.upstream.client_errors import (
+from gateway.upstream.errors import (
     UpstreamBrokenError,
     UpstreamClientError,
     UpstreamConnectError,

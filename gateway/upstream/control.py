@@ -1,6 +1,6 @@
 """The control plane's HTTP client: health probes, metric scrapes, parity checks, model lists.
 
-They run on the request path's lean keep-alive client (`http_client.HttpClient`), one instance of
+They run on the request path's lean keep-alive client (`client.HttpClient`), one instance of
 their own: a probe or a scrape costs ~40 µs of CPU on it, ~10x less than on httpx, and a gateway
 in front of a hundred replicas makes ~150 of them a second. Nothing is taken from the environment
 (no HTTP(S)_PROXY: a probe through a proxy would judge the proxy, not the replica). Redirects are
@@ -26,7 +26,7 @@ import httpx
 import orjson
 
 from gateway.upstream.client import HttpClient
-from gateway.upstream.client_errors import UpstreamClientError, UpstreamTooLargeError
+from gateway.upstream.errors import UpstreamClientError, UpstreamTooLargeError
 
 __all__ = [
     "CONTROL_ERRORS",

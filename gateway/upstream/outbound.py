@@ -64,7 +64,7 @@ class Forwarded:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
-    # the route receipt's inputs (gateway/receipt.py): the index's hit on the replica that
+    # the route receipt's inputs (gateway/telemetry/receipt.py): the index's hit on the replica that
     # answered, in the gateway's tokens (None: the pool's policy does not hash), and the engine's
     # KV block in tokens as it last reported it (None: not scraped)
     predicted_tokens: int | None = None
@@ -77,7 +77,7 @@ class Forwarded:
     # t_start, t_end (0: the answer's, t_last), status (0: none), the failover outcome of
     # gateway_upstream_attempts_total (None: this replica answered))
     attempts: list[tuple[str, str, int, int, int, str | None]] = field(default_factory=list)
-    pd_prefill: tuple[int, int] = (0, 0)  # a P/D request's prefill leg that served (gateway/pd.py)
+    pd_prefill: tuple[int, int] = (0, 0)  # a P/D request's prefill leg that served (gateway/upstream/pd.py)
 
 
 

@@ -7,8 +7,8 @@ instead of a cut connection). Under the gateway's server protocol a streamed chu
 take at once goes from the upstream connection's callback straight to the client's socket
 (`UpstreamResponse.pipe`, the `ResponseWriter`'s lane): no task wakes, no ASGI message per chunk;
 under backpressure the writer falls back to awaiting `send`. Non-streamed answers held at once are
-capped (`AnswerBudget`). The client is gateway.http_client (a lean keep-alive HTTP/1.1 client:
-aiohttp's cost dominated the gateway's CPU per request); error bodies: `upstream_errors.py`.
+capped (`AnswerBudget`). The client is gateway/upstream/client.py (a lean keep-alive HTTP/1.1 client:
+aiohttp's cost dominated the gateway's CPU per request); error bodies: `errors.py`.
 """
 
 from __future__ import annotations

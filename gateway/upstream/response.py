@@ -1,7 +1,7 @@
 """One response of the request path's HTTP client: its HTTP/1.1 parser (httptools), body buffer,
 backpressure and deadlines.
 
-`http_client.py` owns the connections and the timer wheel; a response sees them through `Link` and
+`client.py` owns the connections and the timer wheel; a response sees them through `Link` and
 `Deadlines`. The connection calls the underscored methods under "the connection's side"; callers
 read with `read_chunk`/`read_all` (or `pipe` to a callback) and end with `release`/`abort`.
 """
@@ -14,7 +14,7 @@ from typing import Protocol
 
 import httptools
 
-from gateway.upstream.client_errors import (
+from gateway.upstream.errors import (
     UpstreamBrokenError,
     UpstreamConnectError,
     UpstreamProtocolError,
@@ -31,7 +31,7 @@ _HEADERS, _BODY, _DONE = 0, 1, 2  # UpstreamResponse._phase
 
 
 class Link(Protocol):
-    """The connection a response reads from, as the response sees it (`http_client._Connection`)."""
+    """The connection a response reads from, as the response sees it (`client._Connection`)."""
 
     transport: asyncio.Transport | None
     resp: UpstreamResponse | None
@@ -45,7 +45,7 @@ class Link(Protocol):
 
 
 class Deadlines(Protocol):
-    """The client's timer wheel (`http_client._Timers`): it calls `_on_timer` once `at` passed."""
+    """The client's timer wheel (`client._Timers`): it calls `_on_timer` once `at` passed."""
 
     def add(self, resp: UpstreamResponse, at: float) -> int: ...
 

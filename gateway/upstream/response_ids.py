@@ -1,5 +1,5 @@
 """`GET` and `DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: sent to the replica
-that made the response (this gateway's map of response homes, else the fleet's: gateway/sticky.py)
+that made the response (this gateway's map of response homes, else the fleet's: gateway/routing/sticky.py)
 and answered as that replica answers.
 
 The same key, limits (one request, no tokens) and request log as every proxied path; no admission

@@ -3,7 +3,7 @@
 The TTFT scorer prices a lower-tier hit at tokens x kv_bytes_per_token / tier_gbps. The
 bandwidth an operator configures is a guess (the PCIe generation, the NVMe drive, the store's
 link, contention with other traffic). Where the engine measures its loads (vLLM's transfer
-counters, LMCache's retrieve time) the scorer prices at that (gateway/tier_load.py); this
+counters, LMCache's retrieve time) the scorer prices at that (gateway/fleet/tier_load.py); this
 learner is opt-in (`learn_tiers: true`) for engines that do not, because the residual it
 learns from also holds the queueing the prefill fit does not model: in bench/tiers.py --quick,
 where nearly every answer queued, it learned the tiers 3 to 11 times too slow. Each outcome whose replica

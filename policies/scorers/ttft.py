@@ -23,7 +23,7 @@ with a free slot, a load and a penalty to evict an idle one, a load and a wait w
 busy); the load time is learned from the TTFTs of requests that needed one (their residual
 against the fit), and those TTFTs enter the fit without it. Replicas without LoRA: unchanged.
 
-Across a fleet of gateways (shared load, gateway/fleet_load.py) each gateway shares its own
+Across a fleet of gateways (shared load, gateway/fleet/shared_load.py) each gateway shares its own
 decayed sums (`share`) and folds in the others' (`absorb`): the sums add, so every gateway fits
 the same coefficients from all of the fleet's observations (as of the last tick or push).
 
@@ -34,7 +34,7 @@ are not recomputed but loaded, at tokens x `kv_bytes_per_token` / that tier's ba
 (`tier_weights`, Dynamo's defaults: cpu 0.75, disk 0.25, shared 0.5), for comparison; `tiers:
 off` ignores them (GPU-only routing). A tier's seconds per token on a replica are, first, what
 its engine measured (`ReplicaView.tier_load_rates`: vLLM's transfer counters, LMCache's retrieve
-time; gateway/tier_load.py); else, with `learn_tiers`, the pool's rate learned from the TTFTs of
+time; gateway/fleet/tier_load.py); else, with `learn_tiers`, the pool's rate learned from the TTFTs of
 requests whose replica served every predicted token, pulled toward `tier_gbps`
 (policies/scorers/tier_rates.py; `tier_gbps()` reads them); else `tier_gbps` as configured.
 Learning is off by default: the TTFT residual it learns from also holds the queueing the fit

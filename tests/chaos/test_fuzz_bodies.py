@@ -228,7 +228,7 @@ def _chat(**extra: Any) -> dict[str, Any]:
 
 def _nested(depth: int, content: bytes = b"x", leaf: bytes = b"") -> bytes:
     """A chat body with `depth` arrays nested in a message (`leaf` at the bottom); a long
-    `content` takes the walk that large bodies take (gateway/openai.py `_too_deep`)."""
+    `content` takes the walk that large bodies take (gateway/api/openai.py `_too_deep`)."""
     return b'{"model":"%s","messages":[{"role":"user","content":"%s","x":%s%s%s}]}' % (
         MODEL.encode(), content, b"[" * depth, leaf, b"]" * depth
     )  # fmt: skip

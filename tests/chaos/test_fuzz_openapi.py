@@ -25,7 +25,7 @@ def test_document_is_served_and_lists_the_public_endpoints(gw: GatewayProc) -> N
     assert set(doc["paths"]) == {
         "/v1/chat/completions",
         "/v1/completions",
-        *PATHS,  # every proxied endpoint kind (gateway/kinds.py)
+        *PATHS,  # every proxied endpoint kind (gateway/api/kinds.py)
         "/v1/responses/{response_id}",  # by id, to the replica that made it
         "/v1/responses/{response_id}/cancel",
         "/v1/models",

@@ -259,7 +259,7 @@ def test_tap_relays_nothing_after_done_and_holds_no_endless_event(
         b'data: {"a":1}\n\ndata: [DONE]\n\n'
     )
     assert tap.feed(b'data: {"c":3}\n\n') == b"" and tap.done
-    monkeypatch.setattr("gateway.streams.MAX_EVENT_BYTES", 1000)
+    monkeypatch.setattr("gateway.api.streams.MAX_EVENT_BYTES", 1000)
     tap = StreamTap(strip_usage=False)
     for _ in range(20):
         assert tap.feed(b"data: " + b"x" * 100) == b""

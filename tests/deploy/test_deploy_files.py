@@ -241,7 +241,7 @@ def test_k8s_discovery_block_is_a_discovery_config() -> None:
 
 @pytest.mark.xfail(
     "discovery" not in PoolConfig.model_fields,
-    reason="gateway/config.py does not accept pools.<name>.discovery yet (issue 9, the lead)",
+    reason="gateway/config/__init__.py does not accept pools.<name>.discovery yet (issue 9, the lead)",
     strict=True,
 )
 def test_k8s_config_loads(secret_env: None, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""`gateway/delays.py`: deadlines of one fixed delay on one loop timer, and what the server's
+"""`gateway/http/delays.py`: deadlines of one fixed delay on one loop timer, and what the server's
 connections wait on with it (the keep-alive timeout, served by a real uvicorn over real sockets)."""
 
 from __future__ import annotations

@@ -253,7 +253,7 @@ async def test_an_idle_fleet_ticks_less_often_and_still_sees_new_load() -> None:
 
 async def test_pushes_carry_load_between_ticks() -> None:
     """With ticks 2 s apart, a peer still sees the other gateway's requests start and end: the
-    pushes (gateway/fleet_push.py) carry them one round trip after the change."""
+    pushes (gateway/fleet/shared_load.py) carry them one round trip after the change."""
     slow = {"fleet": {"publish_interval_ms": 2000, "stale_after_s": 30, "push_interval_ms": 2}}
     async with fleet_of(2, [Upstream("u0", delay_s=0.5)], **slow) as (apps, gws, _), \
             aiohttp.ClientSession() as h:  # fmt: skip
@@ -317,7 +317,7 @@ def own_scrapes(app: Any) -> dict[str, int]:
 
 
 async def test_each_replica_is_scraped_by_one_gateway_and_every_gateway_has_its_load() -> None:
-    """Shared scrapes (gateway/fleet_scrape.py): once the gateways know each other, each replica's
+    """Shared scrapes (gateway/fleet/shared_scrape.py): once the gateways know each other, each replica's
     /metrics is fetched by one of them, the other takes the sample from the fleet's hash, and
     both see the load the replica reports; when the scraper stops, the other scrapes it again."""
     scrape = {"pool": {"scrape": {"enabled": True, "interval_s": 0.05, "stale_after_s": 2.0}}}

@@ -1,4 +1,4 @@
-"""Who scrapes which replica in a fleet (gateway/fleet_scrape.py): every gateway agrees, a
+"""Who scrapes which replica in a fleet (gateway/fleet/shared_scrape.py): every gateway agrees, a
 gateway joining takes replicas from the others and never leaves one unscraped, a shared load
 that is down makes each gateway scrape everything, and a peer's samples are taken once each."""
 

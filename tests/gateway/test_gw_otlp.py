@@ -1,4 +1,4 @@
-"""The gateway's own OTLP/HTTP exporter (gateway/otlp.py), against real loopback collectors.
+"""The gateway's own OTLP/HTTP exporter (gateway/telemetry/otlp.py), against real loopback collectors.
 
 What it sends is checked by decoding with opentelemetry-proto, and against the SDK's own OTLP
 encoding of the same trace; through a gateway, the spans a request makes and the traceparent it

@@ -675,7 +675,7 @@ def test_the_values_the_docs_name_exist() -> None:
     named = {v for v in ticked(root["gateway.route.reason"][1]) if re.fullmatch(r"\w+", v)}
     assert named <= reasons
     assert scorers <= ticked(root["gateway.route.reason"][1])  # every scorer's reason is named
-    # the outcomes a Record and a Forwarded can end with (gateway/record.py, failover.py)
+    # the outcomes a Record and a Forwarded can end with (gateway/telemetry/record.py, failover.py)
     outcomes = {"ok", "error", "upstream_error", "client_disconnected", "broken_mid_stream"}
     assert ticked(root["gateway.outcome"][1]) == outcomes
     assert ticked(root["error.type"][1]) <= {*ERROR_TYPES, "client_disconnected"}

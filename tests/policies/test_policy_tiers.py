@@ -193,7 +193,7 @@ def test_shared_tier_sums_make_two_gateways_agree() -> None:
     assert old.coefficients("a") != old.prior
 
 
-# --- tier rates the engine measured (ReplicaView.tier_load_rates, gateway/tier_load.py) -------
+# --- tier rates the engine measured (ReplicaView.tier_load_rates, gateway/fleet/tier_load.py) -------
 
 
 def test_a_measured_rate_overrides_a_wrong_configured_one() -> None:
