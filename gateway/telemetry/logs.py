@@ -34,7 +34,6 @@ ACCESS_FIELDS = (
     "stream", "priority", "prompt_tokens", "predicted_cached_tokens", "cached_tokens",
     "output_tokens", "queue_s", "ttft_s", "total_s", "retries", "policy", "reason",
 )  # fmt: skip
-_KEYS = tuple(f"{name}=" for name in ACCESS_FIELDS)
 _SHOWN: dict[str, str] = {}  # a text value -> how it shows (bare or quoted); names repeat
 _SHOWN_MAX = 4096
 
@@ -53,10 +52,31 @@ class AccessLine:
         return dict(zip(ACCESS_FIELDS, self.values, strict=True))
 
     def __str__(self) -> str:
-        return "request " + " ".join([k + _text(v) for k, v in zip(_KEYS, self.values, strict=True)])
+        (rid, tenant, model, pool, replica, status, outcome, error_type, stream, priority, prompt,
+         predicted, cached, output, queue_s, ttft_s, total_s, retries, policy, reason) = self.values
+        rid = str(rid)  # new for every request: not memoised like the names        # one f-string in ACCESS_FIELDS order: each value as `_text` shows it, fast paths inlined
+        return (
+            f"request request_id={rid if rid.isascii() and rid.isalnum() else _quoted(rid)} "
+            f"tenant={_text(tenant)} model={_text(model)} "
+            f"pool={_text(pool)} replica={_text(replica)} status={status} "
+            f"outcome={_text(outcome)} error_type={_text(error_type)} "
+            f"stream={'true' if stream else 'false'} priority={_text(priority)} "
+            f"prompt_tokens={_num(prompt)} predicted_cached_tokens={_num(predicted)} "
+            f"cached_tokens={_num(cached)} output_tokens={_num(output)} queue_s={_num(queue_s)} "
+            f"ttft_s={_num(ttft_s)} total_s={_num(total_s)} retries={retries} "
+            f"policy={_text(policy)} reason={_text(reason)}"
+        )
+
+
+def _num(v: object) -> str:
+    return "-" if v is None else str(v)
 
 
 def _text(v: object) -> str:
+    if type(v) is str:  # the usual value: a name seen before
+        shown = _SHOWN.get(v)
+        if shown is not None:
+            return shown
     if v is None:
         return "-"
     if v is True:
@@ -68,13 +88,16 @@ def _text(v: object) -> str:
     s = v if type(v) is str else str(v)
     shown = _SHOWN.get(s)
     if shown is None:
-        # quoted and escaped (JSON string rules) when it could split or forge a line
-        shown = s if _BARE.fullmatch(s) else orjson.dumps(s).decode()
-        if len(s) <= 128:  # a request id is new every time: not kept
-            if len(_SHOWN) >= _SHOWN_MAX:
-                _SHOWN.clear()
-            _SHOWN[s] = shown
+        shown = _quoted(s)
+        if len(_SHOWN) >= _SHOWN_MAX:
+            _SHOWN.clear()
+        _SHOWN[s] = shown
     return shown
+
+
+def _quoted(s: str) -> str:
+    """`s` bare, or quoted and escaped (JSON string rules) when it could split or forge a line."""
+    return s if _BARE.fullmatch(s) else orjson.dumps(s).decode()
 
 
 def log_access(line: AccessLine) -> None:
@@ -96,12 +119,12 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
         }
-        if isinstance(record.msg, AccessLine):
+        if isinstance(record.msg, AccessLine):  # log_access: no extras, no exception
             out["msg"] = "request"
-            out.update(record.msg.fields)
-        else:
-            msg = record.getMessage()
-            out["msg"] = _ANSI.sub("", msg) if "\x1b" in msg else msg
+            out.update(zip(ACCESS_FIELDS, record.msg.values, strict=True))
+            return orjson.dumps(out, default=str).decode()
+        msg = record.getMessage()
+        out["msg"] = _ANSI.sub("", msg) if "\x1b" in msg else msg
         for k, v in record.__dict__.items():
             if k not in _STD:
                 out[k] = v
