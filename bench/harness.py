@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
 
+from simulator.replica import Server
+
 if TYPE_CHECKING:
     from simulator.pd import Protocol as PdProtocol
 
@@ -56,14 +58,14 @@ def server_config(
 class Served:
     """A server `start_server` started: its uvicorn server, the task serving, its port and URL."""
 
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], port: int) -> None:
+    def __init__(self, server: Server, task: asyncio.Task[None], port: int) -> None:
         self.server = server
         self.task = task
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
 
     async def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.exit()
         await self.task
 
 
@@ -80,14 +82,13 @@ async def start_server(
 
     Signals stay with whoever owns the process; `http` is uvicorn's implementation (a name, or a
     protocol class such as the gateway's own)."""
-    server = uvicorn.Server(server_config(app, port, lifespan, http=http, graceful_s=graceful_s))
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    server = Server(server_config(app, port, lifespan, http=http, graceful_s=graceful_s))
     task = asyncio.create_task(server.serve())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + startup_s
     while not (server.started or task.done()):  # noqa: ASYNC110 - uvicorn offers no event
         if loop.time() > deadline:
-            server.should_exit = True
+            server.exit()
             await task
             raise RuntimeError(f"the server did not start within {startup_s} s")
         await asyncio.sleep(0.005)
@@ -95,6 +96,11 @@ async def start_server(
         task.result()
         raise RuntimeError("the server exited during startup")
     return Served(server, task, int(server.servers[0].sockets[0].getsockname()[1]))
+
+
+async def stop_all(served: Iterable[Served]) -> None:
+    """Stop the servers together: uvicorn's shutdown waits 0.1 s whatever it has to do."""
+    await asyncio.gather(*(s.stop() for s in served))
 
 
 @contextlib.asynccontextmanager

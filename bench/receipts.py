@@ -20,6 +20,7 @@ import asyncio
 import os
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -166,7 +167,7 @@ async def measure(
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http,
         ):
             if mode == "tokens":
-                await settle(gw.url)
+                await settle(gw.url, len(fleet.urls))
             for rid, req in zip(ids, shaped, strict=True):
                 err = await send(http, gw.url, req, rid)
                 if err is not None:
@@ -186,14 +187,25 @@ async def measure(
     return out
 
 
-async def settle(gw: str) -> None:
-    """Wait for the gateway's KV-event subscribers to connect and its token parity check."""
+async def settle(gw: str, replicas: int, timeout_s: float = 30.0) -> None:
+    """Wait until the gateway is ready and has applied every replica's start-up replay of KV
+    events (`gateway_kv_events_caught_up`): a request routed before may meet blocks the engine
+    has since cleared."""
+    deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:
-        for _ in range(100):
+        while True:
             async with http.get(gw + "/ready") as res:
-                if res.status == 200:
-                    return
-            await asyncio.sleep(0.1)
+                ready = res.status == 200
+            async with http.get(gw + "/metrics") as res:
+                text = await res.text()
+            caught_up = sum(1 for line in text.splitlines()
+                            if line.startswith("gateway_kv_events_caught_up{") and line.endswith(" 1.0"))  # fmt: skip
+            if ready and caught_up >= replicas:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gateway not settled in {timeout_s:.0f} s: ready={ready}, "
+                                   f"{caught_up} of {replicas} replicas' KV events caught up")  # fmt: skip
+            await asyncio.sleep(0.05)
 
 
 def explain(fleet: EngineFleet, config: Any, req: ShapedRequest, row: Row) -> str:

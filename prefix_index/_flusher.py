@@ -11,10 +11,10 @@ from collections.abc import Callable
 from redis.exceptions import RedisError
 
 from prefix_index._accounts import ScopeAccounts
-from prefix_index._link import RedisLink, RedisTuning, cancel
+from prefix_index._link import RedisLink, RedisTuning
 from prefix_index._rebuild import Journal
 from prefix_index._writes import Write, WriteQueue
-from prefix_index.redis_client import OUTAGE
+from prefix_index.redis_client import OUTAGE, cancel
 
 
 class Flusher:

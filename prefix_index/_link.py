@@ -21,7 +21,7 @@ from redis.exceptions import NoPermissionError, NoScriptError, RedisClusterExcep
 from prefix_index import _lua
 from prefix_index._fastlane import ClusterLane, FastLane, Lane
 from prefix_index._rebuild import EpochMarker
-from prefix_index.redis_client import OUTAGE, Client, RedisHealth, RedisTarget, open_redis
+from prefix_index.redis_client import OUTAGE, Client, RedisHealth, RedisTarget, cancel, open_redis
 from prefix_index.redis_follow import MasterFollower
 
 SCRIPTS = {
@@ -53,17 +53,6 @@ class RedisTuning:
     check_s: float = 1.0  # look for the namespace's marker this often (0: never; lost data)
     journal_writes: int = 4096  # recent records kept to refill a Redis that lost the index...
     journal_blocks: int = 262_144  # ...and their blocks (8 B each); 0 writes: no journal
-
-
-async def cancel(*tasks: asyncio.Task[None] | None) -> None:
-    """Cancel the tasks still running and wait for each to end."""
-    for task in tasks:
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
 
 
 def raise_first(replies: list[Any]) -> None:

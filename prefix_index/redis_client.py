@@ -22,6 +22,7 @@ needs no place in routes.yaml. Messages never repeat the URL (it may hold a pass
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,22 @@ OUTAGE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError, Cluste
           TryAgainError, RedisClusterException, AttributeError)  # fmt: skip
 
 Kind = Literal["node", "sentinel", "cluster"]
+
+
+async def cancel(*tasks: asyncio.Task[Any] | None) -> None:
+    """Cancel the tasks still running and wait for each to end. A task that talks to Redis may
+    swallow one cancellation (redis-py's cluster client mapping its slots again mid-failover
+    has; a stop then waited forever, seen in tests/redis_ha): the cancellation is repeated
+    every second until the task ends."""
+    for task in tasks:
+        if task is None:
+            continue
+        while not task.done():
+            task.cancel()
+            await asyncio.wait((task,), timeout=1.0)
+        if not task.cancelled():
+            task.exception()  # retrieved: an error on its way out is not logged as never seen
+
 Client = Redis | RedisCluster
 FORMS = (
     "redis://[user:password@]host:port/db, rediss://... (TLS), unix:///path.sock, "

@@ -316,7 +316,23 @@ def prefix_counters(url: str) -> tuple[float, float]:
     return queries, hits
 
 
-def reset_prefix_cache(url: str) -> None:
-    status, got = post(url + "/reset_prefix_cache")
-    if status != 200:
-        raise RuntimeError(f"{url}/reset_prefix_cache: {status} {got}")
+def reset_prefix_cache(url: str, publish: bool = True, timeout_s: float = 30.0) -> None:
+    """Empty the engine's prefix cache. vLLM refuses (`success: false`) while a request still
+    holds blocks, say the one a client just read to its end: retried until it takes. vLLM
+    publishes the AllBlocksCleared event with its next step's events, not at the reset: with
+    `publish`, a prompt shorter than a block makes that step, so a KV-event subscriber that
+    joins (and replays) afterwards sees the clear, not the stale blocks before it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, got = post(url + "/reset_prefix_cache")
+        if status != 200:
+            raise RuntimeError(f"{url}/reset_prefix_cache: {status} {got}")
+        if not isinstance(got, dict) or got.get("success", True):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/reset_prefix_cache: still refused after {timeout_s:.0f} s")
+        time.sleep(0.05)
+    if publish:
+        status, got = post(url + "/v1/completions", {"prompt": "flush", "max_tokens": 1})
+        if status != 200:
+            raise RuntimeError(f"{url}/v1/completions after the reset: {status} {got}")

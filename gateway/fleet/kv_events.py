@@ -49,6 +49,7 @@ class SubscriberStats:
     duplicates: int = 0  # batches the replay had given already (live ones that overlapped it)
     last_seq: int | None = None
     connected: bool = False
+    caught_up: bool = False  # the start-up replay is done: the index holds what the engine said
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -93,6 +94,7 @@ class KvEventSubscriber:
                 await self._replay(0, None)
                 # batches published while the replay ran also sit in the SUB socket: seen ones
                 self._replayed_to = self.stats.last_seq
+            self.stats.caught_up = True
             while True:
                 if not await sub.poll(POLL_MS):  # poll, then a non-blocking receive: no lost frames
                     continue

@@ -69,7 +69,7 @@ from gateway.fleet.shared_scrape import ScrapeShare, replicas_by_url
 from gateway.snapshot import Snapshot
 from prefix_index import MemoryIndex, PrefixIndex
 from prefix_index._fastlane import ClusterLane, FastLane, Lane
-from prefix_index.redis_client import OUTAGE, Client, open_redis, redact_url
+from prefix_index.redis_client import OUTAGE, Client, cancel, open_redis, redact_url
 
 # What ends a tick or a push without ending the fleet's tasks: Redis going away (the index's
 # list, with redis-py's cluster races), and any refusal besides (a demoted master's READONLY):
@@ -105,9 +105,7 @@ class LoadPush:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel(*self._tasks)
         self._tasks = []
 
     def poke(self) -> None:
@@ -258,10 +256,8 @@ class FleetLoad:
         """Stop ticking and take this gateway's field out, so peers stop counting it at once."""
         if self.push is not None:
             await self.push.stop()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel(self._task)
+        self._task = None
         if self._lane is not None:
             await self._lane.reset()
             self._lane = None

@@ -309,6 +309,14 @@ class _IndexCollector(Collector):
             for sub in subs:
                 fam.add_metric([sub.replica], getattr(sub.stats, attr))
             yield fam
+        caught_up = GaugeMetricFamily(
+            "gateway_kv_events_caught_up",
+            "1 once the replica's start-up replay is applied (before: its newest events, a cleared cache say, may not be in the index yet).",
+            labels=["replica"],
+        )
+        for sub in subs:
+            caught_up.add_metric([sub.replica], 1.0 if sub.stats.caught_up else 0.0)
+        yield caught_up
         unknown = CounterMetricFamily(
             "gateway_kv_events_unplaced_blocks",
             "Stored blocks the gateway could not place (unknown parent, LoRA without a name, salts).",

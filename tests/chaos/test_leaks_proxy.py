@@ -21,6 +21,7 @@ import orjson
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bench.harness import stop_all
 from gateway import create_app, parse_config
 from gateway.telemetry.tracing import Tracing
 from tests.gateway.fake_replica import Upstream
@@ -95,8 +96,7 @@ async def rig(
         yield Rig(gw.url, gw.port, ups, served, evil, spans, app)
     finally:
         await gw.stop()
-        for s in served:
-            await s.stop()
+        await stop_all(served)
         evil_server.close()
         await evil_server.wait_closed()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +45,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
             pytest.fail(f"KVGW_REQUIRE_ENGINE=1 but {why}")
         pytest.skip(why)
     root = tmp_path_factory.mktemp("engine")
-    model = make_model_dir(root / "tiny", "chatml", engine_python=engine_python())
-    llama = make_model_dir(root / "tiny-llama", "llama3", engine_python=engine_python())
+    with ThreadPoolExecutor(2) as pool:  # two transformers start-ups side by side
+        made = [pool.submit(make_model_dir, root / name, template, engine_python=engine_python())
+                for name, template in (("tiny", "chatml"), ("tiny-llama", "llama3"))]  # fmt: skip
+        model, llama = (m.result() for m in made)
     fleet = EngineFleet(model, replicas=2, model=MODEL, max_model_len=MAX_MODEL_LEN,
                         kv_blocks=KV_BLOCKS, log_dir=root / "logs")  # fmt: skip
     fleet.start()

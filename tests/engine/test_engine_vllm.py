@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from bench.access_log import access_lines
 from bench.engine.fleet import BLOCK_SIZE, metrics, post, prefix_counters, reset_prefix_cache
 from bench.engine.model import LLAMA3, lora_dir
-from bench.receipts import GOAL, SIZES, measure
+from bench.receipts import GOAL, SIZES, measure, settle
 from bench.shapes import SHAPES
 from gateway.fleet.kv_events import check_parity
 from gateway.fleet.scrape import _CACHE_INFO, _FIELDS, parse_metrics
@@ -192,6 +192,7 @@ async def test_the_receipt_reaches_metrics_trace_and_log(engine: Engine) -> None
         with access_lines() as lines:
             async with gateway(config, tracing=tracing) as (gw, _), \
                     httpx.AsyncClient(timeout=120) as http:
+                await settle(gw.url, len(engine.urls))
                 for i in range(3):
                     msgs = [{"role": "system", "content": system},
                             {"role": "user", "content": f"question {i}"}]
@@ -201,7 +202,10 @@ async def test_the_receipt_reaches_metrics_trace_and_log(engine: Engine) -> None
     finally:
         tracing.shutdown()
     repeats = lines[1:]
-    assert all(line["predicted_cached_tokens"] == line["cached_tokens"] > 0 for line in repeats)
+    assert all(line["predicted_cached_tokens"] == line["cached_tokens"] > 0 for line in repeats), [
+        {k: line.get(k) for k in ("replica", "reason", "predicted_cached_tokens", "cached_tokens")}
+        for line in lines
+    ]
     assert 'gateway_route_receipts_total{pool="chat",verdict="exact"} 3.0' in text
     assert 'gateway_route_receipt_error_tokens_bucket{le="0.0",pool="chat"} 3.0' in text
     routes = [s for s in exporter.get_finished_spans() if s.name == "gateway.route"]
@@ -224,12 +228,13 @@ async def test_the_index_follows_what_the_engine_stores_clears_and_evicts(engine
     first = [{"role": "system", "content": doc("evict-0", 1400)}, *HELLO]
     with access_lines() as lines:
         async with gateway(config) as (gw, app), httpx.AsyncClient(timeout=300) as http:
+            await settle(gw.url, 1)
             await through(http, gw.url, chat(first))
             await asyncio.sleep(0.5)  # past routed_ttl_s: only the engine's events speak now
             again = await through(http, gw.url, chat(first))
             stored = decision(again)["predicted_hit_blocks"]
             assert stored > 0
-            reset_prefix_cache(engine.urls[0])
+            reset_prefix_cache(engine.urls[0], publish=False)
             # vLLM publishes AllBlocksCleared with its next step's events, not at the reset
             await through(http, gw.url, chat([{"role": "user", "content": doc("other", 50)}]))
             await poll_until(lambda: _predicted(app, first) == 0, 10)

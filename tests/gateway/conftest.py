@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from bench.harness import stop_all
 from gateway import create_app, parse_config
 from tests.gateway.fake_replica import Upstream
 from tests.support import Served, free_port, start_server
@@ -54,8 +55,7 @@ async def rig(
         yield Rig(gw.url, upstreams, served, app)
     finally:
         await gw.stop()
-        for s in served:
-            await s.stop()
+        await stop_all(served)
 
 
 @pytest.fixture

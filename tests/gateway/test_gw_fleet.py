@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
+from bench.harness import stop_all
 from gateway import create_app, parse_config
 from gateway.fleet.shared_load import QUIET_TICKS
 from tests.gateway.fake_replica import Upstream
@@ -81,8 +82,7 @@ async def fleet_of(
         for g in gws:
             with contextlib.suppress(Exception):
                 await g.stop()
-        for s in served:
-            await s.stop()
+        await stop_all(served)
 
 
 def body(content: str) -> dict[str, Any]:

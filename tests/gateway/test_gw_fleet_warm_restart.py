@@ -10,6 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
+from bench.harness import stop_all
 from gateway import ConfigError, create_app, parse_config
 from tests.gateway.fake_replica import Upstream
 from tests.support import Served, start_server
@@ -59,8 +60,7 @@ async def test_a_restart_keeps_the_prefix_hits(tmp_path: Path) -> None:
         cold = await run_once(urls, None, "third?")  # the control: no snapshot, no hit
         assert cold["predicted_hit_blocks"] == 0
     finally:
-        for s in served:
-            await s.stop()
+        await stop_all(served)
 
 
 def test_only_the_memory_index_takes_a_snapshot_path() -> None:

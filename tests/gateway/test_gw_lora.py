@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 import pytest
 
-from bench.harness import lifespan_done, read_body
+from bench.harness import lifespan_done, read_body, stop_all
 from gateway import create_app, parse_config
 from gateway.config import ConfigError
 from gateway.routing.lora import (
@@ -365,8 +365,7 @@ async def test_adapters_of_sglang_replicas_are_read_from_their_server_info(form:
             status, _ = await _complete(gw.url, BASE)  # the base model: either replica
             assert status == 200
     finally:
-        for s in served:
-            await s.stop()
+        await stop_all(served)
 
 
 def _pool_of(urls: list[str], **pool: Any) -> dict[str, Any]:

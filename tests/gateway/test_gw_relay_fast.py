@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.harness import stop_all
 from gateway import create_app, parse_config
 from gateway.api.streams import StreamTap
 from gateway.http.protocol import BodyWriter, GuardedHttpToolsProtocol
@@ -48,8 +49,7 @@ async def two_gateways(app_upstream: Any) -> AsyncIterator[tuple[str, str]]:
     try:
         yield plain.url, fast.url
     finally:
-        for s in (fast, plain, up):
-            await s.stop()
+        await stop_all([fast, plain, up])
 
 
 MODES = ["ok", "crlf", "bare_cr", "split", "garbage_utf8", "garbage_json", "die_mid_event",

@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 from redis.asyncio import Redis
 
+from bench.harness import stop_all
 from gateway import create_app, parse_config
 from gateway.fleet.shared_load import FleetLoad
 from gateway.routing.sticky import SharedHomes
@@ -50,8 +51,7 @@ async def _gateways(cfg: dict[str, Any], n: int) -> AsyncIterator[list[Served]]:
             served.append(await start_server(create_app(parse_config(cfg)), lifespan="on"))
         yield served
     finally:
-        for s in served:
-            await s.stop()
+        await stop_all(served)
 
 
 @contextlib.asynccontextmanager

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import orjson
 
+from bench.harness import stop_all
 from gateway import create_app, parse_config
 from gateway.api.openai import parse_body
 from gateway.routing.router import RouteInput
@@ -121,8 +122,7 @@ async def test_blocks_count_at_dispatch_and_a_failed_dispatch_takes_them_back() 
         assert hits == {"r0": 0, "r1": n}
     finally:
         await gw.stop()
-        for s in servers:
-            await s.stop()
+        await stop_all(servers)
 
 
 async def test_dead_replica_dispatch_is_taken_back_and_the_retry_keeps_the_blocks() -> None:

@@ -13,6 +13,7 @@ import aiohttp
 import redis.asyncio as aioredis
 import yaml
 
+from bench.harness import stop_all
 from prefix_index.constants import DEFAULT_NAMESPACE, replica_scopes_key
 from tests.gateway.fake_replica import Upstream
 from tests.support import gateway_process, start_server, wait_ready
@@ -65,8 +66,7 @@ async def test_two_processes_route_a_repeated_prefix_to_one_replica(tmp_path: Pa
             proc.send_signal(signal.SIGTERM)
         for proc, _ in procs:
             proc.wait(timeout=30)
-        for s in served:
-            await s.stop()
+        await stop_all(served)
     calls = sorted(u.calls for u in ups)
     assert calls == [0, 0, 8], calls  # every request, through either process, went to one replica
 

@@ -245,3 +245,27 @@ async def test_refused_writes_are_not_an_outage(
     finally:
         await admin.aclose()
         await index.aclose()
+
+
+async def test_a_stop_ends_a_task_that_swallowed_its_first_cancellation() -> None:
+    """`cancel` (every background loop that talks to Redis stops with it): a loop whose library
+    swallowed the first CancelledError, as redis-py's cluster client mid-failover did, still
+    ends; before, the gateway's shutdown waited on it forever."""
+    from prefix_index.redis_client import cancel
+
+    swallowed = 0
+
+    async def stubborn() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed += 1  # what the library did: carry on as if nothing happened
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel(task, None), 10)
+    assert task.cancelled() and swallowed == 1

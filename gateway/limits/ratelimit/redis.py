@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from gateway.limits.ratelimit.base import Clock, Rule, RuleState, Verdict, check_costs, rule_state
-from prefix_index.redis_client import OUTAGE, Client, RedisHealth, open_redis, parse_redis_url
+from prefix_index.redis_client import (
+    OUTAGE,
+    Client,
+    RedisHealth,
+    cancel,
+    open_redis,
+    parse_redis_url,
+)
 from prefix_index.redis_follow import MasterFollower
 
 log = logging.getLogger("gateway.ratelimit")
@@ -240,8 +247,6 @@ class RedisRateLimiter:
                 )
 
     async def aclose(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            await asyncio.gather(self._watcher, return_exceptions=True)
+        await cancel(self._watcher)
         await self._redis.aclose()
         await self._follower.aclose()
