@@ -9,8 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
 
 from gateway.api.kinds import PATHS
 from gateway.http.openapi import openapi_document
@@ -38,25 +41,34 @@ def test_document_is_served_and_lists_the_public_endpoints(gw: GatewayProc) -> N
     assert not any(p.startswith(("/admin", "/debug")) for p in doc["paths"])
 
 
-# the document the gateway serves (the test above checks it is the same), loaded at collection so
-# schemathesis makes one test per operation; the requests go to the module's gateway process
+# the document the gateway serves (the test above checks it is the same), loaded at collection:
+# one test per operation, each with its own id (the suite's xdist workers run a test by its id;
+# schemathesis's own parametrize gives all of them one), the requests to the module's gateway
 schema = schemathesis.openapi.from_dict(openapi_document())
+OPERATIONS = [result.ok() for result in schema.get_all_operations()]
 
 
-@schema.parametrize()
-@settings(
-    max_examples=40,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-)
-def test_openapi_contract(gw: GatewayProc, case: Any) -> None:
-    case.call_and_validate(
-        base_url=gw.url,
-        headers={"authorization": f"Bearer {TENANT_KEY}"},
-        timeout=15,
+@pytest.mark.parametrize("operation", OPERATIONS, ids=lambda op: op.label)
+def test_openapi_contract(gw: GatewayProc, operation: Any) -> None:
+    cases = st.one_of(operation.as_strategy(GenerationMode.POSITIVE),
+                      operation.as_strategy(GenerationMode.NEGATIVE))  # fmt: skip
+
+    @given(case=cases)
+    @settings(
+        max_examples=40,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
     )
+    def check(case: Any) -> None:
+        case.call_and_validate(
+            base_url=gw.url,
+            headers={"authorization": f"Bearer {TENANT_KEY}"},
+            timeout=15,
+        )
+
+    check()
 
 
 def test_405_names_the_allowed_methods(gw: GatewayProc) -> None:
