@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
 
-from simulator.replica import Server
+from simulator.replica import Server, serve
 
 if TYPE_CHECKING:
     from simulator.pd import Protocol as PdProtocol
@@ -82,19 +82,8 @@ async def start_server(
 
     Signals stay with whoever owns the process; `http` is uvicorn's implementation (a name, or a
     protocol class such as the gateway's own)."""
-    server = Server(server_config(app, port, lifespan, http=http, graceful_s=graceful_s))
-    task = asyncio.create_task(server.serve())
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + startup_s
-    while not (server.started or task.done()):  # noqa: ASYNC110 - uvicorn offers no event
-        if loop.time() > deadline:
-            server.exit()
-            await task
-            raise RuntimeError(f"the server did not start within {startup_s} s")
-        await asyncio.sleep(0.005)
-    if task.done():
-        task.result()
-        raise RuntimeError("the server exited during startup")
+    config = server_config(app, port, lifespan, http=http, graceful_s=graceful_s)
+    server, task = await serve(config, startup_s)
     return Served(server, task, int(server.servers[0].sockets[0].getsockname()[1]))
 
 

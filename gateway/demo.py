@@ -25,6 +25,7 @@ from gateway import Config, create_app, parse_config
 from gateway.http.app import GatewayApp
 from policies.registry import DEFAULT_POLICY
 from simulator.fleet import simulated_fleet
+from simulator.replica import serve
 from simulator.workloads import WorkItem, shared_prompts
 
 SIM_ARGS = [
@@ -86,27 +87,14 @@ async def _serving(app: GatewayApp, port: int) -> AsyncIterator[str]:
     """The gateway served on 127.0.0.1:`port` (0: a free one) in this event loop, its lifespan on;
     yields its URL once it listens (within 15 s). Signals stay with `asyncio.run`; no logging
     config, no access log, two seconds of graceful shutdown on the way out."""
-    server = uvicorn.Server(uvicorn.Config(
+    server, task = await serve(uvicorn.Config(
         app, host="127.0.0.1", port=port, lifespan="on", log_config=None, access_log=False,
         loop="none", http="httptools", timeout_graceful_shutdown=2,
     ))  # fmt: skip
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-    task = asyncio.create_task(server.serve())
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 15.0
-    while not (server.started or task.done()):  # noqa: ASYNC110 - uvicorn offers no event
-        if loop.time() > deadline:
-            server.should_exit = True
-            await task
-            raise RuntimeError("the gateway did not start within 15 s")
-        await asyncio.sleep(0.005)
-    if task.done():
-        task.result()
-        raise RuntimeError("the gateway exited during startup")
     try:
         yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     finally:
-        server.should_exit = True
+        server.exit()
         await task
 
 

@@ -59,6 +59,25 @@ class Server(uvicorn.Server):
                     await self._wake.wait()
 
 
+async def serve(config: uvicorn.Config, startup_s: float = 15.0) -> tuple[Server, asyncio.Task[None]]:
+    """Serve `config` in the running loop; returns (the server, its task) once it listens.
+    Raises when it exits during startup or does not start within `startup_s`."""
+    server = Server(config)
+    task = asyncio.create_task(server.serve())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + startup_s
+    while not (server.started or task.done()):  # noqa: ASYNC110 - uvicorn offers no event
+        if loop.time() > deadline:
+            server.exit()
+            await task
+            raise RuntimeError(f"the server did not start within {startup_s} s")
+        await asyncio.sleep(0.005)
+    if task.done():
+        task.result()
+        raise RuntimeError("the server exited during startup")
+    return server, task
+
+
 def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
