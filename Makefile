@@ -23,7 +23,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	scripts/ensure-deps
 	scripts/ensure-engine
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check gateway prefix_index policies simulator bench tests
