@@ -11,6 +11,7 @@ count 0), multiplies by the scorer's weight, sums, and hands the totals to the P
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -78,6 +79,13 @@ class Picker(Plugin, Protocol):
     def pick(
         self, req: RoutedRequest, views: Sequence[ReplicaView], totals: dict[str, float]
     ) -> tuple[list[str], str]: ...
+
+
+class SeededPicker(Picker):
+    """A picker that draws (ties, or its whole pick) from the policy's seeded `rng`."""
+
+    def __init__(self, *, rng: random.Random | None = None) -> None:
+        self._rng = rng if rng is not None else random.Random()
 
 
 @runtime_checkable

@@ -9,10 +9,9 @@ Config:
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
-from policies.base import Picker
+from policies.base import Picker, SeededPicker
 from policies.types import ReplicaView, RoutedRequest
 
 
@@ -31,11 +30,8 @@ class RoundRobinPicker(Picker):
         return names[i:] + names[:i], "round_robin"
 
 
-class LeastLoadedPicker(Picker):
+class LeastLoadedPicker(SeededPicker):
     name = "least_loaded"
-
-    def __init__(self, *, rng: random.Random | None = None) -> None:
-        self._rng = rng if rng is not None else random.Random()
 
     def pick(
         self, req: RoutedRequest, views: Sequence[ReplicaView], totals: dict[str, float]
@@ -44,11 +40,8 @@ class LeastLoadedPicker(Picker):
         return [k[2] for k in sorted((v.load, rand(), v.name) for v in views)], "load"
 
 
-class RandomPicker(Picker):
+class RandomPicker(SeededPicker):
     name = "random"
-
-    def __init__(self, *, rng: random.Random | None = None) -> None:
-        self._rng = rng if rng is not None else random.Random()
 
     def pick(
         self, req: RoutedRequest, views: Sequence[ReplicaView], totals: dict[str, float]

@@ -17,7 +17,9 @@ from prefix_index.constants import SCOPE_COST_BLOCKS
 _SWEEP_SCOPES = 8  # idle scopes a write may free: more than the one scope a write can add
 
 
-def check_bounds(capacity_blocks: int, max_blocks: int, ttl_s: float | None) -> None:
+def check_bounds(
+    capacity_blocks: int, max_blocks: int, ttl_s: float | None, routed_ttl_s: float
+) -> None:
     """The bounds both backends take, as they take them (a ValueError naming the bad one)."""
     if capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
@@ -25,6 +27,8 @@ def check_bounds(capacity_blocks: int, max_blocks: int, ttl_s: float | None) -> 
         raise ValueError(f"max_blocks must be > {SCOPE_COST_BLOCKS}, got {max_blocks}")
     if ttl_s is not None and ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
+    if routed_ttl_s <= 0:
+        raise ValueError(f"routed_ttl_s must be positive, got {routed_ttl_s}")
 
 
 class BoundedScopes:

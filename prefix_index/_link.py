@@ -79,7 +79,6 @@ class RedisLink:
         self.target = target
         self.tuning = t = tuning
         self.health = RedisHealth()
-        self.down = False
         self.closed = False
         # this gateway's newest record, in real seconds (the marker's life is Redis time, not
         # the injected clock's)
@@ -99,7 +98,6 @@ class RedisLink:
         self._marker = EpochMarker(namespace, cluster=target.kind == "cluster")
         self._watcher: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
-        self._down_since = 0.0
         self._follower = MasterFollower(
             target=target, health=self.health, timeout_s=t.timeout_s * 4,
             grace_s=t.write_timeout_s, log=self._log, who="prefix index",
@@ -174,15 +172,16 @@ class RedisLink:
 
     # -- outage ---------------------------------------------------------------------------------
 
+    @property
+    def down(self) -> bool:
+        """Redis is out (an outage began and the probe has not seen it back)."""
+        return not self.health.up
+
     def went_down(self, exc: BaseException) -> None:
         """Redis is out: tell the index, probe until it is back."""
         if self.down or self.closed:
             return
-        self.down = True
-        self._down_since = time.monotonic()
-        self.health.up = False
-        self.health.outages += 1
-        self.health.last_error = f"{type(exc).__name__}: {exc}"
+        self.health.went_down(exc)
         self._log.warning(
             "prefix index: Redis at %s unreachable (%s: %s); answering from %s and buffering "
             "writes until it is back",
@@ -203,12 +202,7 @@ class RedisLink:
                 continue
             await self.lane.reset()
             self._follower.forget()
-            self.down = False
-            down_s = time.monotonic() - self._down_since
-            self.health.up = True
-            self.health.recoveries += 1
-            self.health.down_s += down_s
-            self._on_back(lost, down_s)
+            self._on_back(lost, self.health.came_back())
             return
 
     async def check_marker(self, rebuild: bool = True) -> bool:

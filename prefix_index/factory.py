@@ -1,11 +1,9 @@
-"""Build the index backend that `index.backend` names, from one table (no if/elif ladder).
+"""Build the index backend that `index.backend` names.
 
 `open_index` does no I/O: the Redis backend connects on first use and never raises on an outage.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from prefix_index.base import PrefixIndex
 from prefix_index.constants import (
@@ -17,39 +15,7 @@ from prefix_index.constants import (
 from prefix_index.memory import MemoryIndex
 from prefix_index.redis import RedisIndex
 
-
-def _memory(
-    redis_url: str | None,
-    capacity_blocks: int,
-    ttl_s: float | None,
-    routed_ttl_s: float,
-    max_blocks: int,
-) -> PrefixIndex:
-    return MemoryIndex(capacity_blocks, ttl_s, routed_ttl_s=routed_ttl_s, max_blocks=max_blocks)
-
-
-def _redis(
-    redis_url: str | None,
-    capacity_blocks: int,
-    ttl_s: float | None,
-    routed_ttl_s: float,
-    max_blocks: int,
-) -> PrefixIndex:
-    if not redis_url:
-        raise ValueError("index.redis_url is required when index.backend is redis")
-    return RedisIndex(
-        redis_url,
-        capacity_blocks=capacity_blocks,
-        ttl_s=DEFAULT_REDIS_TTL_S if ttl_s is None else ttl_s,
-        max_blocks=max_blocks,
-        routed_ttl_s=routed_ttl_s,
-    )
-
-
-BACKENDS: dict[str, Callable[[str | None, int, float | None, float, int], PrefixIndex]] = {
-    "memory": _memory,
-    "redis": _redis,
-}
+BACKENDS = ("memory", "redis")
 
 
 def open_index(
@@ -67,9 +33,16 @@ def open_index(
     both backends have that mode (both are EngineEventSinks; the redis one keeps engine
     entries in each gateway's process, routed ones shared). `max_blocks`
     bounds the whole index, over every scope and replica (see MemoryIndex)."""
-    make = BACKENDS.get(backend)
-    if make is None:
-        raise ValueError(
-            f"index.backend must be one of {', '.join(sorted(BACKENDS))}, got {backend!r}"
-        )
-    return make(redis_url, capacity_blocks, ttl_s, routed_ttl_s, max_blocks)
+    if backend == "memory":
+        return MemoryIndex(capacity_blocks, ttl_s, routed_ttl_s=routed_ttl_s, max_blocks=max_blocks)
+    if backend != "redis":
+        raise ValueError(f"index.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if not redis_url:
+        raise ValueError("index.redis_url is required when index.backend is redis")
+    return RedisIndex(
+        redis_url,
+        capacity_blocks=capacity_blocks,
+        ttl_s=DEFAULT_REDIS_TTL_S if ttl_s is None else ttl_s,
+        max_blocks=max_blocks,
+        routed_ttl_s=routed_ttl_s,
+    )

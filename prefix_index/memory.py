@@ -107,9 +107,7 @@ class MemoryIndex(BoundedScopes, PrefixIndex, EngineEventSink):
         engine_capacity_blocks: int = DEFAULT_ENGINE_CAPACITY_BLOCKS,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
     ) -> None:
-        check_bounds(capacity_blocks, max_blocks, ttl_s)
-        if routed_ttl_s <= 0:
-            raise ValueError(f"routed_ttl_s must be positive, got {routed_ttl_s}")
+        check_bounds(capacity_blocks, max_blocks, ttl_s, routed_ttl_s)
         if engine_capacity_blocks < 1:
             raise ValueError(f"engine_capacity_blocks must be >= 1, got {engine_capacity_blocks}")
         routed_ms = max(1, round(routed_ttl_s * 1000))

@@ -93,9 +93,7 @@ class RedisIndex(LocalEntries, PrefixIndex):
         max_blocks: int = DEFAULT_MAX_BLOCKS,
         routed_ttl_s: float = DEFAULT_ROUTED_TTL_S,
     ) -> None:
-        check_bounds(capacity_blocks, max_blocks, ttl_s)
-        if routed_ttl_s <= 0:
-            raise ValueError(f"routed_ttl_s must be positive, got {routed_ttl_s}")
+        check_bounds(capacity_blocks, max_blocks, ttl_s, routed_ttl_s)
         if not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"namespace must be non-empty and without braces, got {namespace!r}")
         self.url = url

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,22 @@ class RedisHealth:
     rebuilds: int = 0
     replayed_writes: int = 0
     last_error: str = ""
+    down_at: float = 0.0  # time.monotonic() when the outage began
+
+    def went_down(self, exc: BaseException) -> None:
+        """An outage begins (its user saw Redis up until `exc`)."""
+        self.up = False
+        self.outages += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        self.down_at = time.monotonic()
+
+    def came_back(self) -> float:
+        """The outage ends: its length in seconds."""
+        down_s = time.monotonic() - self.down_at
+        self.up = True
+        self.recoveries += 1
+        self.down_s += down_s
+        return down_s
 
 
 def parse_redis_url(url: str, env: Mapping[str, str] | None = None) -> RedisTarget:

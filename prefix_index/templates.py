@@ -21,6 +21,7 @@ __all__ = [
     "chatml_template",
     "engine_messages",
     "load_chat_template",
+    "parsed_tool_call",
     "responses_messages",
     "special_tokens",
 ]
@@ -195,7 +196,7 @@ def engine_messages(
         }
         calls = message.get("tool_calls")
         if role == "assistant" and isinstance(calls, list):
-            msg["tool_calls"] = [_tool_call(call) for call in calls]
+            msg["tool_calls"] = [parsed_tool_call(call) for call in calls]
         if role == "tool" and "tool_call_id" in message:
             msg["tool_call_id"] = message["tool_call_id"]
         if isinstance(message.get("name"), str):
@@ -411,7 +412,8 @@ def _text_parts(content: Any) -> Any:
     ]
 
 
-def _tool_call(call: Any) -> Any:
+def parsed_tool_call(call: Any) -> Any:
+    """A tool call as vLLM hands it to a template: its JSON `arguments` parsed (none: {})."""
     if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
         return call
     function = dict(call["function"])

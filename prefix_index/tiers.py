@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from prefix_index._scope import clear_bit
+
 __all__ = [
     "CPU", "DISK", "GPU", "LOWER_TIERS", "SHARED", "TierAudit", "TierStore", "normalize_medium",
 ]  # fmt: skip
@@ -78,7 +80,7 @@ class TierStore:
             table[h] = table.get(h, 0) | bit
         while len(mine) > self.capacity:
             h, _none = mine.popitem(last=False)
-            self._clear(table, h, bit)
+            clear_bit(table, h, bit)
             self.trimmed += 1
 
     def evict(self, scope: str, replica: str, tier: str, hashes: Sequence[int]) -> None:
@@ -95,7 +97,7 @@ class TierStore:
         bit = self._bit(replica)
         for h in hashes:
             if mine.pop(h, 1) is None:
-                self._clear(table, h, bit)
+                clear_bit(table, h, bit)
 
     def forget(self, replica: str) -> None:
         """The replica's own tiers are gone (restart); the shared store is not its own."""
@@ -105,7 +107,7 @@ class TierStore:
         for key in [k for k in self._held if k[2] == replica]:
             table = self._tables.get((key[0], key[1]), {})
             for h in self._held.pop(key):
-                self._clear(table, h, 1 << bit)
+                clear_bit(table, h, 1 << bit)
 
     def match(
         self, scope: str, hashes: Sequence[int], gpu: dict[str, int]
@@ -143,14 +145,6 @@ class TierStore:
         for (_scope, tier, _replica), held in self._held.items():
             out[tier] = out.get(tier, 0) + len(held)
         return out
-
-    @staticmethod
-    def _clear(table: dict[int, int], h: int, bit: int) -> None:
-        held = table.get(h, 0) & ~bit
-        if held:
-            table[h] = held
-        else:
-            table.pop(h, None)
 
 
 class TierAudit:

@@ -1,7 +1,8 @@
 """A vLLM-like replica without a GPU: the performance model, the HTTP server, the DES mode.
 
-See docs/simulator.md. Nothing here imports from the gateway, the index or the policies (the
-gateway's `demo` command, gateway/demo.py, is what composes the simulator and the gateway).
+See docs/simulator.md. Nothing here imports from the gateway or the policies (the gateway's
+`demo` command, gateway/demo.py, composes the two); chat templates render with
+`prefix_index.templates`, the one copy of vLLM's rendering (tests/engine holds it to real vLLM).
 """
 
 from simulator.config import EngineConfig, OutputLengths, build_config

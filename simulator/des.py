@@ -177,14 +177,47 @@ async def run(requests: Iterable[SimRequest] | ClosedLoop, cluster: Cluster, rou
         gc.unfreeze()
 
 
+class StepEnds:
+    """The engines' running steps by end time. A fused run cut short (a newcomer joined) is
+    pushed again; its older entry is stale and skipped."""
+
+    def __init__(self, engines: Sequence[Engine]) -> None:
+        self._engines = engines
+        self._heap: list[tuple[float, int, int]] = []  # (step end, push number, engine)
+        self._current = [0] * len(engines)  # each engine's live push number
+        self._pushes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def push(self, i: int) -> None:
+        """Engine `i`'s step in flight, if any, ends when it says."""
+        step = self._engines[i].in_flight
+        if step is not None:
+            self._pushes += 1
+            self._current[i] = self._pushes
+            heapq.heappush(self._heap, (step.end_s, self._pushes, i))
+
+    def next_s(self) -> float:
+        """When the next live step ends (inf: none runs)."""
+        heap = self._heap
+        while heap and heap[0][1] != self._current[heap[0][2]]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else math.inf
+
+    def pop(self) -> int:
+        """The engine whose step ends next (after `next_s`)."""
+        return heapq.heappop(self._heap)[2]
+
+
 async def _run(reqs: list[SimRequest], loop: ClosedLoop | None, cluster: Cluster,
                router: Router, scrape_interval_s: float, fuse: bool) -> RunResult:
     engines = cluster.engines
     n = len(engines)
     first_cb: Callable[..., Any] | None = getattr(router, "on_first_token", None)
     finish_cb: Callable[..., Any] | None = getattr(router, "on_finish", None)
-    ends: list[tuple[float, int, int]] = []  # (step end, push number, replica)
-    current = [0] * n  # push number of each engine's live heap entry; older ones are stale
+    ends = StepEnds(engines)
+    push = ends.push
     records: dict[int, RequestRecord] = {}
     # arrivals (kind 0: at the router) and entries (kind 1: at an engine), by time then order
     events: list[tuple[float, int, int, int, SimRequest]] = []
@@ -193,7 +226,6 @@ async def _run(reqs: list[SimRequest], loop: ClosedLoop | None, cluster: Cluster
     request_cv = [e.perf.engine.request_jitter_cv for e in engines]
     view = cluster.loads(0.0)
     next_scrape = scrape_interval_s
-    pushes = 0
     issued = 0
     sent: dict[int, int] = {}  # closed loop: requests each user has sent
 
@@ -220,23 +252,13 @@ async def _run(reqs: list[SimRequest], loop: ClosedLoop | None, cluster: Cluster
         for u in range(loop.users):
             send(u, loop.start_s + u * loop.stagger_s)
 
-    def push(i: int) -> None:
-        nonlocal pushes
-        step = engines[i].in_flight
-        if step is not None:
-            pushes += 1
-            current[i] = pushes
-            heapq.heappush(ends, (step.end_s, pushes, i))
-
     def start(i: int, t: float) -> None:
         engines[i].begin_step(t, fuse=fuse)
         push(i)
 
     while events or ends:
-        while ends and ends[0][1] != current[ends[0][2]]:
-            heapq.heappop(ends)  # a fused run that was cut short
         t_event = events[0][0] if events else math.inf
-        t = min(t_event, ends[0][0]) if ends else t_event
+        t = min(t_event, ends.next_s())
         if scrape_interval_s > 0 and t >= next_scrape:
             at = math.floor(t / scrape_interval_s) * scrape_interval_s
             view = cluster.loads(at)
@@ -275,7 +297,7 @@ async def _run(reqs: list[SimRequest], loop: ClosedLoop | None, cluster: Cluster
             if engine.in_flight is None:
                 start(choice, t)
             continue
-        _, _, i = heapq.heappop(ends)
+        i = ends.pop()
         result = engines[i].end_step()
         for seq in result.emitted:
             if first_cb is not None and seq.last_itl is None:

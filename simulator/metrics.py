@@ -157,18 +157,14 @@ class ReplicaMetrics:
                         "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds",
                         "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS)
-        self.queue = hist("vllm:request_queue_time_seconds",
-                          "Histogram of time spent in WAITING phase for request.",
-                          REQUEST_BUCKETS)
-        self.inference = hist("vllm:request_inference_time_seconds",
-                              "Histogram of time spent in RUNNING phase for request.",
-                              REQUEST_BUCKETS)
-        self.prefill = hist("vllm:request_prefill_time_seconds",
-                            "Histogram of time spent in PREFILL phase for request.",
-                            REQUEST_BUCKETS)
-        self.decode = hist("vllm:request_decode_time_seconds",
-                           "Histogram of time spent in DECODE phase for request.",
-                           REQUEST_BUCKETS)
+        def phase(what: str, phase: str) -> Histogram:  # vllm:request_<what>_time_seconds
+            return hist(f"vllm:request_{what}_time_seconds",
+                        f"Histogram of time spent in {phase} phase for request.", REQUEST_BUCKETS)
+
+        self.queue = phase("queue", "WAITING")
+        self.inference = phase("inference", "RUNNING")
+        self.prefill = phase("prefill", "PREFILL")
+        self.decode = phase("decode", "DECODE")
 
     def on_step(self, result: StepResult) -> None:
         for seq in result.emitted:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from simulator.config import EngineConfig, build_config
-from simulator.des import ReplicaLoad, Router, SimRequest
+from simulator.des import ReplicaLoad, Router, SimRequest, StepEnds
 from simulator.engine import Engine
 from simulator.kv_cache import PromptHasher
 from simulator.pd_kv import adopt, reserve_blocks, transfer_seconds
@@ -86,8 +86,8 @@ async def run_pd(requests: Iterable[SimRequest], cluster: PdCluster, prefill_rou
     n_p = len(cluster.prefill)
     first_cb = getattr(prefill_router, "on_first_token", None)
     finish_cb = getattr(prefill_router, "on_finish", None)
-    ends: list[tuple[float, int, int]] = []
-    current = [0] * len(engines)
+    ends = StepEnds(engines)
+    push = ends.push
     # (time, order, kind, engine, request): 0 arrival, 1 at a prefill engine, 2 KV landed on D
     events: list[tuple[float, int, int, int, SimRequest]] = []
     order = {id(r): k for k, r in enumerate(reqs)}
@@ -97,17 +97,8 @@ async def run_pd(requests: Iterable[SimRequest], cluster: PdCluster, prefill_rou
     link_free = [0.0] * len(cluster.decode)
     waiting_room: list[list[tuple[SimRequest, int]]] = [[] for _ in cluster.decode]
     kv_per_token = cluster.config.perf.kv_bytes_per_token
-    pushes = 0
     xfer: dict[str, tuple[list[int], int, int, float]] = {}  # id -> blocks, hit, P engine, s
     cached: dict[str, int] = {}
-
-    def push(i: int) -> None:
-        nonlocal pushes
-        step = engines[i].in_flight
-        if step is not None:
-            pushes += 1
-            current[i] = pushes
-            heapq.heappush(ends, (step.end_s, pushes, i))
 
     def kick(i: int, t: float) -> None:
         e = engines[i]
@@ -134,10 +125,8 @@ async def run_pd(requests: Iterable[SimRequest], cluster: PdCluster, prefill_rou
         return True
 
     while events or ends:
-        while ends and ends[0][1] != current[ends[0][2]]:
-            heapq.heappop(ends)
         t_event = events[0][0] if events else math.inf
-        t = min(t_event, ends[0][0]) if ends else t_event
+        t = min(t_event, ends.next_s())
         if t_event <= t:
             _, k, kind, i, req = heapq.heappop(events)
             if kind == 0:
@@ -163,7 +152,7 @@ async def run_pd(requests: Iterable[SimRequest], cluster: PdCluster, prefill_rou
             seq.user = req
             kick(i, t)
             continue
-        _, _, i = heapq.heappop(ends)
+        i = ends.pop()
         e = engines[i]
         result = e.end_step()
         if i < n_p:

@@ -28,55 +28,20 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from prefix_index.templates import responses_messages
 from simulator.openai_api import ApiError, bad
 from simulator.sequence import Sequence
 from simulator.serving import CompletionService, json_object, unless_gone
 
 MAX_STORED = 10_000
-TEXT_PARTS = ("text", "input_text", "output_text")
 
 
 def input_messages(items: Any) -> list[dict[str, Any]]:
-    """vLLM's construct_input_messages (less the instructions), for the simulator (which imports nothing of the gateway;
-    prefix_index.templates.responses_messages is the gateway's copy)."""
-    out: list[dict[str, Any]] = []
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    for item in items if isinstance(items, list) else ():
-        if not isinstance(item, Mapping):
-            raise bad("input items must be objects", "input")
-        kind, role = item.get("type"), item.get("role")
-        prev = out[-1] if out and out[-1].get("role") == "assistant" else None
-        if kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if prev is not None:
-                prev.setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out.append({"role": "tool", "content": item.get("output"),
-                        "tool_call_id": item.get("call_id")})
-        elif kind == "reasoning":
-            if prev is None:
-                out.append({"role": "assistant", "content": None})
-        elif role == "assistant":
-            content = item.get("content")
-            if isinstance(content, list):
-                first = content[0] if content else ""
-                content = first.get("text", "") if isinstance(first, Mapping) else first
-            if prev is not None and prev.get("content") is None:
-                prev["content"] = content
-            else:
-                out.append({"role": "assistant", "content": content})
-        elif isinstance(role, str):
-            content = item.get("content")
-            if isinstance(content, list):
-                content = [{"type": "text", "text": p.get("text", "")}
-                           if isinstance(p, Mapping) and p.get("type") in TEXT_PARTS else p
-                           for p in content]
-            out.append({"role": role, "content": content})
-    return out
+    """vLLM's construct_input_messages, less the instructions (prefix_index.templates renders
+    the same conversation for the gateway); an item that is not an object is a 400."""
+    if isinstance(items, list) and not all(isinstance(item, Mapping) for item in items):
+        raise bad("input items must be objects", "input")
+    return responses_messages(None, items)
 
 
 class ResponsesService:

@@ -13,12 +13,9 @@ import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from pathlib import Path
 from typing import Any, Protocol
 
-import orjson
-import xxhash
+from prefix_index.templates import load_chat_template, parsed_tool_call
 
 IM_START, IM_END, EOT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 _SPECIALS = (EOT, IM_START, IM_END)
@@ -82,6 +79,7 @@ def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: 
     there: a prompt that ends with a tool message, extended by another tool message, differs
     from its old rendering from that message's `<|im_end|>` on (a few tokens, not the result).
     """
+    check_messages(messages)
     out = []
     last = len(messages) - 1
     skip = -1
@@ -128,7 +126,7 @@ def tools_block(system: str | None, tools: Sequence[Any]) -> str:
 
 def _tool_call_json(call: Any) -> str:
     """Qwen2.5's `{"name": "<name>", "arguments": <arguments | tojson>}` for one tool call."""
-    call = _parsed_call(call)
+    call = parsed_tool_call(call)
     function = call.get("function", call) if isinstance(call, Mapping) else {}
     function = function if isinstance(function, Mapping) else {}
     name = function.get("name", "")
@@ -294,26 +292,14 @@ class TokenizerJson(_FillerVocab):
 
 
 class ChatTemplate:
-    """A Hugging Face chat template compiled as transformers compiles it (a jinja2 sandbox with
-    trim_blocks and lstrip_blocks, loop controls, `{% generation %}`, `raise_exception`,
-    `strftime_now`, a `tojson` that keeps non-ASCII text) and rendered with vLLM's messages.
+    """A tokenizer directory's chat template as the engine applies it: rendered by
+    `prefix_index.templates` (transformers' sandbox, vLLM's messages and content formats, the
+    one rendering in the project, held to real vLLM's by tests/engine), after the checks vLLM
+    makes before rendering, so what vLLM refuses raises ValueError (a 400) here too."""
 
-    The simulator keeps its own copy of this (it imports nothing from the gateway's packages);
-    the gateway's tokens mode must render the same text, which the tests check.
-    """
-
-    def __init__(self, source: str, origin: str, special: Mapping[str, str]) -> None:
-        import jinja2  # optional (the `tokens` extra)
-
-        self.origin = origin
-        self.special = dict(special)
-        try:
-            env = _jinja_env()
-            self._template = env.from_string(source)
-            self._parts = _loops_over_content(env.parse(source))  # vLLM's "openai" format
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"{origin}: the chat template does not compile: {exc}") from None
-        self._developer = "'developer'" in source or '"developer"' in source
+    def __init__(self, template: Any) -> None:
+        self._template = template
+        self.origin: str = template.origin
 
     def render(self, messages: Sequence[Mapping[str, Any]],
                add_generation_prompt: bool = True, tools: Sequence[Any] | None = None) -> str:
@@ -321,237 +307,33 @@ class ChatTemplate:
         template that rejects the messages raises ValueError (vLLM answers 400)."""
         import jinja2
 
+        check_messages(messages)
         try:
-            engine = _engine_messages(messages, self._parts)
-            if not self._developer and any(m.get("role") == "developer" for m in engine):
-                engine = _developer_as_system(engine)
-            text: str = self._template.render(
-                messages=engine, add_generation_prompt=add_generation_prompt,
-                tools=tools or None, documents=None, **self.special)
+            text: str = self._template.render(messages, add_generation_prompt, tools)
         except (jinja2.TemplateError, TypeError) as exc:
             raise ValueError(f"the chat template rejects these messages: {exc}") from None
         return text
 
 
 def _load_template(path: str, override: str | os.PathLike[str] | None) -> ChatTemplate | None:
-    """vLLM's template lookup: `override`, else the directory's `chat_template.jinja`, else
-    `tokenizer_config.json`'s `chat_template` (a string, or named templates: "default")."""
-    folder = Path(path) if os.path.isdir(path) else Path(path).parent
-    config_file = folder / "tokenizer_config.json"
-    if override is not None:
-        source, origin = _read_text(Path(override)), os.fspath(override)
-    elif not os.path.isdir(path):
-        return None
-    elif (folder / "chat_template.jinja").is_file():
-        source, origin = _read_text(folder / "chat_template.jinja"), str(folder / "chat_template.jinja")
-    else:
-        found = _read_config(config_file).get("chat_template")
-        if isinstance(found, list):
-            named = {t.get("name"): t.get("template") for t in found if isinstance(t, Mapping)}
-            found = named.get("default")
-            if found is None:
-                raise ValueError(f"{config_file}: no chat template named 'default'")
-        if found is None:
-            return None
-        if not isinstance(found, str):
-            raise ValueError(f"{config_file}: chat_template must be a string or a list")
-        source, origin = found, f"{config_file} (chat_template)"
-    special: dict[str, str] = {}
-    config = _read_config(config_file)
-    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        value = config.get(key)
-        value = value.get("content") if isinstance(value, Mapping) else value
-        if isinstance(value, str):
-            special[key] = value
-    return ChatTemplate(source, origin, special)
+    """vLLM's template lookup (`override`, else the directory's `chat_template.jinja`, else
+    `tokenizer_config.json`'s), as the gateway's tokens mode finds it."""
+    template = load_chat_template(path, override)
+    return None if template is None else ChatTemplate(template)
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read the chat template ({exc})") from None
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable JSON file ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return config
-
-
-def _engine_messages(messages: Sequence[Mapping[str, Any]],
-                     parts: bool = False) -> list[dict[str, Any]]:
-    """What vLLM passes a template. Its "string" content format: content as one string (text
-    parts joined by newlines, media as `<type:digest>` placeholders before them); its "openai"
-    one (`parts`, a template that loops over content): a list of `{"type": "text", "text"}`
-    parts (media `{"type", "digest"}`), but a tool message's text joined. An assistant's tool
-    calls with JSON arguments parsed, a tool message's tool_call_id."""
-    out: list[dict[str, Any]] = []
+def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    """What vLLM refuses before it renders a chat: content that is not a string, a list of
+    parts or null; tool-call arguments that are not JSON."""
     for m in messages:
-        role = m.get("role")
-        content = m.get("content")
-        as_parts = parts and not (role == "tool" and all(
-            isinstance(p, str) or (isinstance(p, Mapping) and p.get("type", "text") == "text")
-            for p in (content if isinstance(content, list) else ())))
-        msg: dict[str, Any] = {"role": role, "content": _content_parts(content) if as_parts
-                               else _content_text(content)}
+        if not isinstance(m.get("content"), str | list | None):
+            raise ValueError("message content must be a string, a list of parts or null")
         calls = m.get("tool_calls")
-        if role == "assistant" and isinstance(calls, list):
-            msg["tool_calls"] = [_parsed_call(c) for c in calls]
-        if role == "tool" and "tool_call_id" in m:
-            msg["tool_call_id"] = m["tool_call_id"]
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        out.append(msg)
-    return out
-
-
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError("message content must be a string, a list of parts or null")
-    texts, media = [], []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, Mapping) and (
-                part.get("type") == "text" or ("type" not in part and "text" in part)):
-            texts.append(str(part.get("text", "")))
-        else:
-            kind = part.get("type", "") if isinstance(part, Mapping) else ""
-            media.append(f"<{kind}:{_media_digest(part)}>")
-    text = "\n".join(texts)
-    return "\n".join([*media, text]) if media else text
-
-
-def _content_parts(content: Any) -> list[dict[str, Any]]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise ValueError("message content must be a string, a list of parts or null")
-    out: list[dict[str, Any]] = []
-    for p in content:
-        if isinstance(p, str) or (isinstance(p, Mapping) and p.get("type", "text") == "text"):
-            out.append({"type": "text", "text": p if isinstance(p, str) else str(p.get("text", ""))})
-        else:
-            out.append({"type": p.get("type", "") if isinstance(p, Mapping) else "",
-                        "digest": _media_digest(p)})
-    return out
-
-
-def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """vLLM, for a template that never names the developer role: developer messages become
-    system ones, and system messages not all first are merged, in order, into one first."""
-    msgs = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-    at = [i for i, m in enumerate(msgs) if m.get("role") == "system"]
-    if at in ([], [0]):
-        return msgs
-    texts = [c if isinstance(c, str) else "\n".join(str(p.get("text", "")) for p in c)
-             for c in (msgs[i]["content"] for i in at)]  # _engine_messages sets every one
-    return [{"role": "system", "content": "\n\n".join(t for t in texts if t)},
-            *(m for m in msgs if m.get("role") != "system")]
-
-
-def _loops_over_content(ast: Any) -> bool:
-    """Whether a template iterates over a message's content (vLLM then hands it OpenAI parts):
-    a loop over `m.content` / `m['content']` where `m` runs over the messages (or a name bound
-    to them), over a bare `content` outside macros, or inside a macro over a parameter that a
-    call fills with a message's content."""
-    from jinja2 import nodes as n
-
-    def base(x: Any) -> Any:
-        while (isinstance(x, n.Filter | n.Test) and x.node is not None) or (
-                isinstance(x, n.Getitem) and isinstance(x.arg, n.Slice)):
-            x = x.node
-        return x
-
-    def named(x: Any, names: set[str]) -> bool:
-        x = base(x)
-        return isinstance(x, n.Name) and x.ctx == "load" and x.name in names
-
-    def content(x: Any, of: set[str]) -> bool:
-        x = base(x)
-        return (isinstance(x, n.Getattr) and x.attr == "content" and named(x.node, of)) or (
-            isinstance(x, n.Getitem) and isinstance(x.arg, n.Const)
-            and x.arg.value == "content" and named(x.node, of))
-
-    lists = {"messages"}
-    for _ in range(8):  # names bound to the messages, to a fixed point
-        lists |= {a.target.name for a in ast.find_all(n.Assign)
-                  if isinstance(a.target, n.Name) and named(a.node, lists)}
-    fors = list(ast.find_all(n.For))
-    items = {f.target.name for f in fors if isinstance(f.target, n.Name) and named(f.iter, lists)}
-    given: set[str] = set()
-    in_macro: set[int] = set()
-    for macro in ast.find_all(n.Macro):
-        args = [a.name for a in macro.args]
-        for call in ast.find_all(n.Call):
-            if isinstance(call.node, n.Name) and call.node.name == macro.name:
-                given |= {args[i] for i, a in enumerate(call.args[:len(args)]) if content(a, items)}
-                given |= {k.key for k in call.kwargs if k.key in args and content(k.value, items)}
-        in_macro |= {id(f) for f in macro.find_all(n.For)}
-    return any(
-        content(f.iter, items) or (isinstance(f.iter, n.Name) and (
-            f.iter.name in given if id(f) in in_macro else f.iter.name == "content"))
-        for f in fors)
-
-
-def _media_digest(part: Any) -> str:
-    """The media's content hash (vLLM keys the KV of its placeholder tokens by it): xxh3-128 of
-    the part's canonical JSON, keys sorted; the gateway's digest is the same."""
-    opts = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
-    return xxhash.xxh3_128_hexdigest(orjson.dumps(part, option=opts, default=str))
-
-
-def _parsed_call(call: Any) -> Any:
-    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
-        return call
-    function = dict(call["function"])
-    arguments = function.get("arguments")
-    if not arguments:
-        function["arguments"] = {}
-    elif isinstance(arguments, str):
-        try:
-            function["arguments"] = json.loads(arguments)
-        except ValueError:
-            raise ValueError("tool call arguments must be JSON") from None
-    return {**call, "function": function}
-
-
-def _jinja_env() -> Any:
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        tags = {"generation"}  # marks assistant text for training masks; render the body
-
-        def parse(self, parser: Any) -> Any:
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+        for call in calls if m.get("role") == "assistant" and isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, Mapping) else None
+            arguments = function.get("arguments") if isinstance(function, Mapping) else None
+            if isinstance(arguments, str) and arguments:
+                try:
+                    json.loads(arguments)
+                except ValueError:
+                    raise ValueError("tool call arguments must be JSON") from None

@@ -16,8 +16,14 @@ ALLOWED = {
     "simulator": set(),
     "gateway": {"prefix_index", "policies"},  # `gateway plan` loads simulator.plan by name
 }
-# modules allowed more than their package: `gateway demo` composes the gateway and the simulator
-EXCEPTIONS = {"gateway/demo.py": {"simulator"}}
+# modules allowed more than their package: `gateway demo` composes the gateway and the simulator;
+# the simulator renders chat templates with prefix_index.templates (the one copy of vLLM's
+# rendering, held to real vLLM by tests/engine)
+EXCEPTIONS = {
+    "gateway/demo.py": {"simulator"},
+    "simulator/tokenizer.py": {"prefix_index"},
+    "simulator/responses.py": {"prefix_index"},
+}
 
 
 def imported_packages(path: Path) -> set[str]:

@@ -53,23 +53,20 @@ class SubscriberStats:
     extra: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(eq=False)
 class KvEventSubscriber:
-    def __init__(
-        self,
-        replica: str,
-        pub_url: str,
-        replay_url: str | None,
-        applier: KvEventApplier,
-        zmq_context: Any,
-    ) -> None:
-        self.replica = replica
-        self.pub_url = pub_url
-        self.replay_url = replay_url
-        self.applier = applier
-        self.ctx = zmq_context
-        self.stats = SubscriberStats()
-        self._task: asyncio.Task[None] | None = None
-        self._replayed_to: int | None = None  # the start-up replay's last; live batches up to it repeat
+    """One replica's KV events: the live stream from `pub_url`, after a replay of what was
+    published before it joined (`replay_url`), applied to the index (`applier`)."""
+
+    replica: str
+    pub_url: str
+    replay_url: str | None
+    applier: KvEventApplier
+    ctx: Any  # the zmq.asyncio.Context the sockets are made in
+    stats: SubscriberStats = field(default_factory=SubscriberStats, init=False)
+    _task: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    # the start-up replay's last sequence number; live batches up to it repeat it
+    _replayed_to: int | None = field(default=None, init=False, repr=False)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kv-events:{self.replica}")

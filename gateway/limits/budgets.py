@@ -18,7 +18,39 @@ SHUTDOWN_MARGIN_S = (
 )
 
 
-class BodyBudget:
+class ByteBudget:
+    """Bytes held right now, all requests together, against one cap (None: no cap). A take
+    past the cap raises a 503 (`code`; the message says it is `what` the gateway holds)."""
+
+    __slots__ = ("held", "peak")
+    what = "bytes"
+    code = "bytes_in_flight"
+    retry_after_s = BUSY_RETRY_S
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.peak = 0  # the most ever held at once (tests, debugging)
+
+    def check(self, n: int, cap: int | None) -> None:
+        """503 unless `n` more bytes fit under `cap` now."""
+        if cap is not None and self.held + n > cap:
+            raise ServerBusy(
+                f"The gateway holds its limit of {cap} bytes of {self.what}; retry shortly",
+                code=self.code,
+                retry_after=self.retry_after_s,
+            )
+
+    def take(self, n: int, cap: int | None) -> None:
+        self.check(n, cap)
+        self.held += n
+        if self.held > self.peak:
+            self.peak = self.held
+
+    def release(self, n: int) -> None:
+        self.held -= n
+
+
+class BodyBudget(ByteBudget):
     """Bytes of request bodies held right now, all requests together, against one cap
     (`server.max_body_bytes_in_flight`, read per request so a reload applies at once).
 
@@ -26,29 +58,12 @@ class BodyBudget:
     pipeline keeps the body for retries); `release` gives them back.
     """
 
-    __slots__ = ("held",)
-
-    def __init__(self) -> None:
-        self.held = 0
-
-    def check(self, n: int, cap: int | None) -> None:
-        """503 unless `n` more bytes fit under `cap` now."""
-        if cap is not None and self.held + n > cap:
-            raise ServerBusy(
-                f"The gateway holds its limit of {cap} bytes of request bodies; retry shortly",
-                code="body_bytes_in_flight",
-                retry_after=BUSY_RETRY_S,
-            )
-
-    def take(self, n: int, cap: int | None) -> None:
-        self.check(n, cap)
-        self.held += n
-
-    def release(self, n: int) -> None:
-        self.held -= n
+    __slots__ = ()
+    what = "request bodies"
+    code = "body_bytes_in_flight"
 
 
-class AnswerBudget:
+class AnswerBudget(ByteBudget):
     """Bytes of non-streamed answers held right now, all requests together, against one cap
     (`server.max_answer_bytes_in_flight`, read per request so a reload applies at once).
 
@@ -57,25 +72,10 @@ class AnswerBudget:
     bytes stay charged until the answer has been handed to the client (`release`).
     """
 
-    __slots__ = ("held", "peak")
-
-    def __init__(self) -> None:
-        self.held = 0
-        self.peak = 0  # the most ever held at once (tests, debugging)
-
-    def take(self, n: int, cap: int | None) -> None:
-        if cap is not None and self.held + n > cap:
-            raise ServerBusy(
-                f"The gateway holds its limit of {cap} bytes of answers; retry shortly",
-                code="answer_bytes_in_flight",
-                retry_after=ANSWER_RETRY_S,
-            )
-        self.held += n
-        if self.held > self.peak:
-            self.peak = self.held
-
-    def release(self, n: int) -> None:
-        self.held -= n
+    __slots__ = ()
+    what = "answers"
+    code = "answer_bytes_in_flight"
+    retry_after_s = ANSWER_RETRY_S
 
 
 class LiveStreams:

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.base import BY_SCORE, COLD, GUARD, TIE, Picker
+from policies.base import BY_SCORE, COLD, GUARD, TIE, SeededPicker
 from policies.types import ReplicaView, RoutedRequest
 
 
@@ -93,7 +93,7 @@ def rendezvous(first_block: int, name: str) -> float:
     return (z ^ (z >> 31)) / 18446744073709551616.0
 
 
-class MaxScorePicker(Picker):
+class MaxScorePicker(SeededPicker):
     name = "max_score"
     needs_prefix = False  # reads hit_blocks only when another plugin had the prompt hashed
 
@@ -108,7 +108,7 @@ class MaxScorePicker(Picker):
             raise ValueError(f"slack must be a number in [0, 1), got {slack!r}")
         self.slack = float(slack)
         self.guard = LoadGuard.from_config(guard)
-        self._rng = rng if rng is not None else random.Random()
+        super().__init__(rng=rng)
 
     def pick(
         self, req: RoutedRequest, views: Sequence[ReplicaView], totals: dict[str, float]

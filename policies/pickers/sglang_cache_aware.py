@@ -18,11 +18,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from policies.base import GUARD, Picker
+from policies.base import GUARD, SeededPicker
 from policies.types import ReplicaView, RoutedRequest
 
 
-class SGLangCacheAwarePicker(Picker):
+class SGLangCacheAwarePicker(SeededPicker):
     name = "sglang_cache_aware"
     needs_prefix = True  # the longest prefix match wins unless the fleet is imbalanced
 
@@ -43,7 +43,7 @@ class SGLangCacheAwarePicker(Picker):
         self.cache_threshold = float(cache_threshold)
         self.balance_abs_threshold = float(balance_abs_threshold)
         self.balance_rel_threshold = float(balance_rel_threshold)
-        self._rng = rng if rng is not None else random.Random()
+        super().__init__(rng=rng)
 
     def pick(
         self, req: RoutedRequest, views: Sequence[ReplicaView], totals: dict[str, float]

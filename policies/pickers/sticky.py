@@ -28,11 +28,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from policies.base import GUARD, Picker
+from policies.base import GUARD, SeededPicker
 from policies.types import ReplicaView, RoutedRequest
 
 
-class StickyPicker(Picker):
+class StickyPicker(SeededPicker):
     name = "sticky"
     needs_prefix = True  # affinity is the share of the prompt's blocks a replica holds
 
@@ -61,7 +61,7 @@ class StickyPicker(Picker):
         self.affinity_threshold = float(affinity_threshold)
         self.peak = float(peak_prefill_tokens_per_s)
         self.max_ttft_penalty_s = float(max_ttft_penalty_s)
-        self._rng = rng if rng is not None else random.Random()
+        super().__init__(rng=rng)
 
     def pick(
         self, req: RoutedRequest, views: Sequence[ReplicaView], totals: dict[str, float]

@@ -2,7 +2,10 @@
 
 Each tokenizer directory is built here (tests/simulator/template_dirs.py): a BPE tokenizer.json
 trained in the test and a template in the shape of Llama 3, Qwen2.5, Mistral or a Gemma-like
-model's. The simulator reads the same directory and stands in for vLLM.
+model's. The simulator reads the same directory and stands in for vLLM: it renders templates with
+the same code (prefix_index.templates), so here each template is held to its model's own format
+(the texts expected below) and the two to the same tokenization; tests/engine holds the rendering
+to real vLLM's.
 """
 
 from __future__ import annotations
@@ -379,26 +382,21 @@ LOOPS = {
 @pytest.mark.parametrize("source", list(LOOPS))
 def test_content_format_is_vllms(source: str) -> None:
     from prefix_index.templates import ChatTemplate
-    from simulator.tokenizer import ChatTemplate as EngineTemplate
 
-    ours, engine = ChatTemplate(source, origin="t"), EngineTemplate(source, "t", {})
+    ours = ChatTemplate(source, origin="t")
     assert ours.content_format == LOOPS[source]
     chat = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     rendered = ours.render(chat, add_generation_prompt=False)
-    assert rendered == engine.render(chat, add_generation_prompt=False)
     # parts: "a|b|" (or "ab"); one string: "a\nb|"
     assert ("\n" in rendered) == (LOOPS[source] == "string")
 
 
 def test_a_developer_message_is_a_system_one_where_the_template_has_no_developer() -> None:
     from prefix_index.templates import ChatTemplate
-    from simulator.tokenizer import ChatTemplate as EngineTemplate
 
     plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     knows = plain + "{% if false %}'developer'{% endif %}"
     chat = [{"role": "developer", "content": "D"}, {"role": "user", "content": "U"},
             {"role": "system", "content": "S"}]  # fmt: skip
     for source, want in ((plain, "<system>D\n\nS<user>U"), (knows, "<developer>D<user>U<system>S")):
-        ours, engine = ChatTemplate(source, origin="t"), EngineTemplate(source, "t", {})
-        assert ours.render(chat, add_generation_prompt=False) == want
-        assert engine.render(chat, add_generation_prompt=False) == want
+        assert ChatTemplate(source, origin="t").render(chat, add_generation_prompt=False) == want

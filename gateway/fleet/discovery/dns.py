@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 
 from gateway.fleet.discovery.base import (
     Endpoint,
@@ -23,6 +24,7 @@ async def getaddrinfo_resolver(host: str, port: int) -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
+@dataclass(eq=False)  # one watcher is one object
 class DnsDiscovery:
     """Resolve `name` every `interval_s`; each address becomes `scheme://address:port`.
 
@@ -30,21 +32,12 @@ class DnsDiscovery:
     last set and is logged once per outage.
     """
 
-    def __init__(
-        self,
-        name: str,
-        port: int,
-        scheme: str = "http",
-        interval_s: float = 5.0,
-        resolver: Resolver | None = None,
-        timeout_s: float = 5.0,
-    ) -> None:
-        self.name = name
-        self.port = port
-        self.scheme = scheme
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self.resolver: Resolver = resolver or getaddrinfo_resolver
+    name: str
+    port: int
+    scheme: str = "http"
+    interval_s: float = 5.0
+    resolver: Resolver = getaddrinfo_resolver
+    timeout_s: float = 5.0
 
     async def watch(self) -> AsyncGenerator[list[Endpoint], None]:
         last: list[Endpoint] | None = None

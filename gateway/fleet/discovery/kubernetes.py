@@ -9,7 +9,7 @@ import os
 import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,7 @@ class _Api:
         return headers
 
 
+@dataclass(eq=False)  # one watcher is one object
 class KubernetesDiscovery:
     """List, then watch, the `discovery.k8s.io/v1` EndpointSlices of one Service.
 
@@ -85,33 +86,24 @@ class KubernetesDiscovery:
     token and CA are used; without `namespace`, the pod's own namespace.
     """
 
-    def __init__(
-        self,
-        service: str,
-        namespace: str | None = None,
-        *,
-        port_name: str | None = None,
-        label_selector: str | None = None,
-        api_url: str | None = None,
-        token_path: str | None = None,
-        ca_path: str | None = None,
-        scheme: str = "http",
-        retry_s: float = 2.0,
-        watch_timeout_s: int = 300,
-    ) -> None:
-        self.service = service
-        self.namespace = namespace
-        self.port_name = port_name
-        self.selector = f"kubernetes.io/service-name={service}" + (
-            f",{label_selector}" if label_selector else ""
-        )
-        self.api_url = api_url
-        self.token_path = token_path
-        self.ca_path = ca_path
-        self.scheme = scheme
-        self.retry_s = retry_s
-        self.watch_timeout_s = watch_timeout_s
-        self._warned: set[str] = set()
+    service: str
+    namespace: str | None = None
+    _: KW_ONLY
+    port_name: str | None = None
+    label_selector: str | None = None  # ANDed with kubernetes.io/service-name=<service>
+    api_url: str | None = None
+    token_path: str | None = None
+    ca_path: str | None = None
+    scheme: str = "http"
+    retry_s: float = 2.0
+    watch_timeout_s: int = 300
+    _warned: set[str] = field(default_factory=set, init=False, repr=False)
+
+    @property
+    def selector(self) -> str:
+        """The EndpointSlices' label selector: the Service's, and `label_selector`'s."""
+        extra = f",{self.label_selector}" if self.label_selector else ""
+        return f"kubernetes.io/service-name={self.service}{extra}"
 
     def _access(self) -> _Api:
         """Where the API is and how to authenticate (reads files: run it in a thread)."""

@@ -136,9 +136,7 @@ class RedisRateLimiter:
             log=log, who="rate limit",
         )  # fmt: skip
         self._watcher: asyncio.Task[None] | None = None
-        self._down_at = 0.0
         self._gate = asyncio.Semaphore(max_connections)
-        self._down = False
         self._next_probe = 0.0
         self._open()
 
@@ -191,7 +189,7 @@ class RedisRateLimiter:
         if self._watcher is None and self._follower.sentinel and self._check_s > 0:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
         async with self._gate:
-            probing = self._down
+            probing = not self.health.up
             if probing:
                 now = self._clock()
                 if now < self._next_probe:
@@ -201,12 +199,8 @@ class RedisRateLimiter:
                 async with asyncio.timeout(self._timeout_s * 4):  # connect + one retry, bounded
                     reply = await self._scripts[script](keys=keys, args=args)
             except (*OUTAGE, RedisError) as exc:  # redis_client.OUTAGE says what counts
-                if not self._down:
-                    self._down = True
-                    self._down_at = time.monotonic()
-                    self.health.up = False
-                    self.health.outages += 1
-                    self.health.last_error = f"{type(exc).__name__}: {exc}"
+                if self.health.up:
+                    self.health.went_down(exc)
                     self._next_probe = self._clock() + self._probe_s
                     log.warning(
                         "rate limit Redis at %s unreachable (%s: %s); allowing requests "
@@ -216,13 +210,9 @@ class RedisRateLimiter:
                         exc,
                     )
                 return None
-            if probing and self._down:
+            if probing and not self.health.up:
                 self._follower.forget()
-                self._down = False
-                down_s = time.monotonic() - self._down_at
-                self.health.up = True
-                self.health.recoveries += 1
-                self.health.down_s += down_s
+                down_s = self.health.came_back()
                 log.info(
                     "rate limit Redis at %s answers again after %.1f s; limits apply",
                     self._where,
@@ -236,7 +226,7 @@ class RedisRateLimiter:
         no outage of the limiter: its calls tell."""
         while True:
             await asyncio.sleep(self._check_s)
-            if self._down:
+            if not self.health.up:
                 continue
             try:
                 if await self._follower.moved(self._redis):
