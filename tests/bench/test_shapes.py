@@ -254,8 +254,8 @@ def test_tool_calls_and_results_render_as_qwen_does() -> None:
 def test_chatml_matches_a_qwen25_template_on_the_chat_shapes(name: str) -> None:
     pytest.importorskip("jinja2")
     qwen = pytest.importorskip("tests.simulator.template_dirs").QWEN25
-    from simulator.tokenizer import ChatTemplate
+    from prefix_index.templates import ChatTemplate
 
-    template = ChatTemplate(qwen, "qwen2.5", {})
+    template = ChatTemplate(qwen, origin="qwen2.5")
     for r in SHAPES[name](12, 5.0, 0, **CASES[name][0]):  # each starts with a system message
         assert render_chatml(r.body["messages"]) == template.render(r.body["messages"])
