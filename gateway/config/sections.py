@@ -525,3 +525,7 @@ def role_config(pc: PoolConfig, role: str) -> PoolConfig:
             "protocol": None,
         }
     )
+
+# PoolConfig names PdSetConfig before it is defined: resolve that now, so every model's fields
+# hold types (the error wording walks them: gateway/config/errors.py)
+PoolConfig.model_rebuild()

@@ -330,8 +330,18 @@ async def test_each_replica_is_scraped_by_one_gateway_and_every_gateway_has_its_
         names = {r.url: r.name for r in apps[0].gateway.all_replicas()}
         owner = {names[u]: [f.scrapes.owns(u) for f in fleets] for u in names}
         assert all(sum(o) == 1 for o in owner.values()), owner  # one scraper per replica
-        await asyncio.sleep(0.3)  # a tick or two: the others have stopped scraping it
+        # the others have stopped scraping it: no count of a replica a gateway does not own
+        # moves over a few ticks (a scrape sent before the gateways met may still land)
+        def not_owned(snapshot: list[dict[str, int]]) -> list[int]:
+            return [snapshot[i][n] for i in range(len(apps)) for n, o in owner.items() if not o[i]]
+
         before = [own_scrapes(a) for a in apps]
+        for _ in range(25):
+            await asyncio.sleep(0.2)
+            now = [own_scrapes(a) for a in apps]
+            settled, before = not_owned(now) == not_owned(before), now
+            if settled:
+                break
         sent = [asyncio.create_task(post(h, gws[0], f"s{i}")) for i in range(3)]
         await poll_until(lambda: sum(u.calls for u in ups) == 3, 5)
 

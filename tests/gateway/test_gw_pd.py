@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -275,7 +277,9 @@ async def test_nothing_is_retried_after_the_first_byte(protocol: str) -> None:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_a_client_that_leaves_frees_the_decode_replicas_blocks(protocol: str) -> None:
-    async with pd_rig(protocol, speedup=20.0) as r, httpx.AsyncClient(timeout=20) as h:
+    # a slow decode (2000 tokens at speedup 5: ~12 s wall), so a busy machine cannot let it
+    # finish between the first chunk and the look at the decode replica
+    async with pd_rig(protocol, speedup=5.0) as r, httpx.AsyncClient(timeout=20) as h:
         body = r.body(stream=True, max_tokens=2000)
         async with h.stream("POST", r.url + "/v1/chat/completions", json=body) as res:
             assert res.status_code == 200
@@ -299,6 +303,21 @@ async def poll_until_async(get: Any, cond: Any, timeout_s: float = 10.0) -> None
     while not cond(await get()):
         assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+def test_a_first_config_in_a_fresh_process_gets_the_did_you_mean() -> None:
+    """The pool's P/D sets are typed after the pool: the wording walks their fields, which must
+    be types in a process that has validated nothing yet (`gateway check` is such a process)."""
+    code = (
+        "from gateway import parse_config\n"
+        "try:\n"
+        "    parse_config({'pools': {'pd': {'protocol': 'vllm-nixl', 'decode': {'replicas': "
+        "['http://b:1']}, 'prefill': {'replicas': ['http://a:1'], 'retires': 1}}}})\n"
+        "except Exception as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "pools.pd.prefill.retires: unknown key (did you mean 'retries'?)" in out.stdout
 
 
 # --- routes, config -----------------------------------------------------------------------------
