@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from prefix_index import templates
 from prefix_index.templates import load_chat_template, parsed_tool_call
 
 IM_START, IM_END, EOT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -297,9 +298,9 @@ class ChatTemplate:
     one rendering in the project, held to real vLLM's by tests/engine), after the checks vLLM
     makes before rendering, so what vLLM refuses raises ValueError (a 400) here too."""
 
-    def __init__(self, template: Any) -> None:
+    def __init__(self, template: templates.ChatTemplate) -> None:
         self._template = template
-        self.origin: str = template.origin
+        self.origin = template.origin
 
     def render(self, messages: Sequence[Mapping[str, Any]],
                add_generation_prompt: bool = True, tools: Sequence[Any] | None = None) -> str:
