@@ -59,11 +59,15 @@ class Server(uvicorn.Server):
                     await self._wake.wait()
 
 
-async def serve(config: uvicorn.Config, startup_s: float = 15.0) -> tuple[Server, asyncio.Task[None]]:
-    """Serve `config` in the running loop; returns (the server, its task) once it listens.
-    Raises when it exits during startup or does not start within `startup_s`."""
+async def serve(
+    config: uvicorn.Config, startup_s: float = 15.0, *,
+    sockets: list[socket.socket] | None = None, name: str | None = None,
+) -> tuple[Server, asyncio.Task[None]]:
+    """Serve `config` (on `sockets` when given, already bound) in the running loop; returns (the
+    server, its task, named `name`) once it listens. Raises when it exits during startup or
+    does not start within `startup_s`."""
     server = Server(config)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=sockets), name=name)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + startup_s
     while not (server.started or task.done()):  # noqa: ASYNC110 - uvicorn offers no event
@@ -183,16 +187,13 @@ class Replica:
             await self.pd.start()
         config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
                                 ws="none")
-        self._server = server = Server(config)
         self.runner.start()
-        self._task = asyncio.create_task(server.serve(sockets=[sock]), name=f"replica-{self.port}")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + START_TIMEOUT_S
-        while not server.started:  # the socket already listens; this only surfaces failures
-            if self._task.done() or loop.time() > deadline:
-                await self.stop()
-                raise RuntimeError(f"replica on port {self.port} failed to start")
-            await asyncio.sleep(0.001)
+        try:  # the socket already listens; the wait only surfaces failures
+            self._server, self._task = await serve(
+                config, START_TIMEOUT_S, sockets=[sock], name=f"replica-{self.port}")
+        except Exception as exc:
+            await self.stop()
+            raise RuntimeError(f"replica on port {self.port} failed to start: {exc}") from exc
 
     def kill_connection(self, client: Any) -> None:
         """Abort (RST) the TCP connection of the client at `client` = (host, port)."""

@@ -1,5 +1,6 @@
-"""`make test` runs the suite on two pytest-xdist workers (`-n 2`), split by folder into two
-sides that never share a worker:
+"""`pytest -n 2` runs the suite on two pytest-xdist workers, split by folder into two sides that
+never share a worker (`make test` runs one process: with the vLLM replicas busy on both cores a
+few timing-sensitive gateway tests failed now and then on two):
 
 - `redis`: the folders whose tests use the machine's Redis at 127.0.0.1:6379 (gateway, chaos,
   prefix_index, redis_ha): their fleet names, tenants and keys are shared, so they run one at a
