@@ -7,7 +7,7 @@ client sends, scope and hash, index, views, the pool's policy, dispatch accounti
 only plays the clock and the scrapes, and each scrape hands the gateway the replica's
 `vllm:lora_requests_info` text and `/v1/models` cards, read by gateway/routing/lora.py as in production.
 
-    python -m bench.lora                 # the table in README.md (about a minute)
+    python -m bench.lora                 # the table in docs/benchmarks.md (about a minute)
     python -m bench.lora --requests 400  # quicker
 
 Printed per router: TTFT P50/P99, adapter loads per 1,000 requests, prefix hit ratio, and the

@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-# the `type` of every error body a client gets, gateway's or replica's (README "Errors")
+# the `type` of every error body a client gets, gateway's or replica's (docs/operations.md, Errors)
 ERROR_TYPES = (
     "invalid_request_error",  # 400 and any other 4xx not below
     "authentication_error",  # 401

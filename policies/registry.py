@@ -67,7 +67,7 @@ TABLE: Mapping[str, Mapping[str, str]] = MappingProxyType(
 )
 
 POLICY_NAMES: tuple[str, ...] = tuple(TABLE["policy"])
-DEFAULT_POLICY = "ttft"  # picked by bench/routing.py (most goals met); README, Benchmarks
+DEFAULT_POLICY = "ttft"  # picked by bench/routing.py (most goals met); docs/benchmarks.md
 DEFAULT_FILTERS: tuple[str, ...] = ("healthy", "serves_model", "serves_adapter", "not_saturated")
 SPEC_KEYS: tuple[str, ...] = ("name", "preset", "filters", "scorers", "picker", "guard")
 _METHOD = {"filter": "keep", "scorer": "score", "picker": "pick"}

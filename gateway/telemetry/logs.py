@@ -28,7 +28,7 @@ _BARE = re.compile(r"[\w.:/@+-]+")  # a text value shown without quotes
 ACCESS = logging.getLogger("gateway.access")
 
 
-# the request log's fields, in the order of an AccessLine's values (README, Request log)
+# the request log's fields, in the order of an AccessLine's values (docs/operations.md, Request log)
 ACCESS_FIELDS = (
     "request_id", "tenant", "model", "pool", "replica", "status", "outcome", "error_type",
     "stream", "priority", "prompt_tokens", "predicted_cached_tokens", "cached_tokens",

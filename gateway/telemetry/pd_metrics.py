@@ -1,5 +1,5 @@
 """The series of disaggregated (P/D) pools, per role, registered beside metrics.py's (gateway/upstream/pd.py
-feeds them; README "Metrics" and docs/pd.md list them)."""
+feeds them; docs/operations.md "Metrics" and docs/pd.md list them)."""
 
 from __future__ import annotations
 

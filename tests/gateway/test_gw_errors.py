@@ -1,6 +1,6 @@
 """One error vocabulary, through real sockets: the gateway's own errors and its replicas', with
 `server.expose_upstream_errors` off (the default) and on, and the types `gateway_errors_total`
-may carry (exactly the ones the README documents)."""
+may carry (exactly the ones docs/operations.md documents)."""
 
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ async def test_no_replica_available_is_the_gateways_503() -> None:
 
 def documented_error_labels() -> set[str]:
     line = next(
-        ln for ln in (ROOT / "README.md").read_text().splitlines()
+        ln for ln in (ROOT / "docs/operations.md").read_text().splitlines()
         if ln.startswith("| `gateway_errors_total")
     )  # fmt: skip
     return set(re.findall(r"`([a-z_]+)`", line.split("|")[2])) - {"type"}
@@ -185,8 +185,8 @@ def documented_error_labels() -> set[str]:
 
 def test_the_readme_documents_exactly_the_error_types() -> None:
     assert documented_error_labels() == set(ERROR_TYPES) | {"client_disconnected"}
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("### Errors") : text.index("### Request log")]
+    text = (ROOT / "docs/operations.md").read_text()
+    table = text[text.index("## Errors") : text.index("## Request log")]
     rows = set(re.findall(r"^\| `([a-z_]+)` \| \d", table, re.MULTILINE))  # | `type` | status |
     assert rows == set(ERROR_TYPES)
 
