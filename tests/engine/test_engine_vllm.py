@@ -185,31 +185,48 @@ async def test_receipts_every_shape(engine: Engine, mode: str) -> None:
 
 
 async def test_the_receipt_reaches_metrics_trace_and_log(engine: Engine) -> None:
+    """Three chats on one system prompt: the first is `cold` (nothing predicted, nothing reused),
+    the repeats `exact`. The last two are streamed, one asking for `include_usage` and one not
+    (the gateway asks on its behalf and strips the usage again): a streamed answer's receipt
+    comes from its last chunk."""
     for url in engine.urls:
         reset_prefix_cache(url)
     exporter = InMemorySpanExporter()
     tracing = Tracing(None, exporter=exporter, environ={})
     system = doc("receipt-system", 300)
     config = engine.fleet.gateway_config(mode="tokens", events=True)
+    streamed = [{}, {"stream": True, "stream_options": {"include_usage": True}}, {"stream": True}]
+    answers = []
     try:
         with access_lines() as lines:
             async with gateway(config, tracing=tracing) as (gw, _), \
                     httpx.AsyncClient(timeout=120) as http:
                 await settle(gw.url, len(engine.urls))
-                for i in range(3):
+                for i, fields in enumerate(streamed):
                     msgs = [{"role": "system", "content": system},
                             {"role": "user", "content": f"question {i}"}]
-                    assert (await through(http, gw.url, chat(msgs))).status_code == 200
+                    res = await through(http, gw.url, chat(msgs, **fields))
+                    assert res.status_code == 200
+                    answers.append(res.text)
                 text = (await http.get(gw.url + "/metrics")).text
                 await poll_until(lambda: len(lines) == 3, 10)
     finally:
         tracing.shutdown()
-    repeats = lines[1:]
+    first, repeats = lines[0], lines[1:]
+    assert first["predicted_cached_tokens"] == first["cached_tokens"] == 0, first
     assert all(line["predicted_cached_tokens"] == line["cached_tokens"] > 0 for line in repeats), [
         {k: line.get(k) for k in ("replica", "reason", "predicted_cached_tokens", "cached_tokens")}
         for line in lines
     ]
-    assert 'gateway_route_receipts_total{pool="chat",verdict="exact"} 3.0' in text
+    assert [line["stream"] for line in lines] == [False, True, True]
+    events = [e.removeprefix("data: ") for e in answers[1].strip().split("\n\n")]
+    assert events[-1] == "[DONE]"
+    usage = orjson.loads(events[-2])["usage"]  # asked for: the engine's usage reaches the client
+    assert usage["prompt_tokens_details"]["cached_tokens"] == repeats[0]["cached_tokens"]
+    unasked = [orjson.loads(e.removeprefix("data: ")) for e in answers[2].strip().split("\n\n")[:-1]]
+    assert not any(e.get("usage") for e in unasked)  # not asked for: the gateway's own, stripped
+    assert 'gateway_route_receipts_total{pool="chat",verdict="cold"} 1.0' in text
+    assert 'gateway_route_receipts_total{pool="chat",verdict="exact"} 2.0' in text
     assert 'gateway_route_receipt_error_tokens_bucket{le="0.0",pool="chat"} 3.0' in text
     routes = [s for s in exporter.get_finished_spans() if s.name == "gateway.route"]
     assert len(routes) == 3
