@@ -318,8 +318,9 @@ async def amain(args: argparse.Namespace) -> int:
     kv_blocks = args.kv_blocks if load else None
     with tempfile.TemporaryDirectory(prefix="kvgw-receipts-") as tmp:
         model = make_model_dir(Path(tmp) / MODEL, "chatml", engine_python=engine_python())
+        # a small KV space must still hold one whole context: under load, 2,048 tokens (64 blocks)
         with EngineFleet(model, replicas=args.replicas, model=MODEL, log_dir=Path(tmp),
-                         kv_blocks=kv_blocks) as fleet:  # fmt: skip
+                         kv_blocks=kv_blocks, max_model_len=2048 if load else 4096) as fleet:  # fmt: skip
             results = [await measure(fleet, mode, shape, args.requests, args.seed, concurrency)
                        for mode in args.modes for shape in args.shapes]  # fmt: skip
     how = (f"in waves of {concurrency} sent at once, {kv_blocks} KV blocks a replica" if load

@@ -236,6 +236,48 @@ async def test_the_receipt_reaches_metrics_trace_and_log(engine: Engine) -> None
     assert last["gateway.route.receipt"] == "exact"
 
 
+async def test_a_saturated_engine_is_busy_not_dead(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """r0 saturated by 48 long streams sent to it directly; through the gateway, requests to it
+    whose first byte comes later than `timeouts.first_byte_s` (10 ms: a saturated engine's
+    queue) time out. Its health probes still answer: it is busy, not dead. The timeouts are
+    counted as busy and its circuit never opens (before: two in a row opened it)."""
+    config = engine.fleet.gateway_config(
+        mode="bytes", replicas=[0], pool={"timeouts": {"first_byte_s": 0.01, "total_s": 30},
+                                          "retries": 0},
+    )  # fmt: skip
+    stop = asyncio.Event()
+
+    async def saturate(http: httpx.AsyncClient) -> None:
+        body = chat([{"role": "user", "content": "tell a long story " * 20}], max_tokens=256,
+                    ignore_eos=True, stream=True)  # fmt: skip
+        while not stop.is_set():
+            async with http.stream("POST", engine.urls[0] + "/v1/chat/completions", json=body) as r:
+                async for _ in r.aiter_bytes():
+                    if stop.is_set():
+                        break
+
+    async with httpx.AsyncClient(timeout=120) as direct:
+        load = [asyncio.ensure_future(saturate(direct)) for _ in range(48)]
+        try:
+            async with gateway(config) as (gw, _), httpx.AsyncClient(timeout=60) as http:
+                await asyncio.sleep(2)  # the streams are running
+                statuses = []
+                for _ in range(6):
+                    res = await through(http, gw.url, chat(HELLO, stream=True))
+                    statuses.append(res.status_code)
+                text = (await http.get(gw.url + "/metrics")).text
+        finally:
+            stop.set()
+            await asyncio.gather(*load, return_exceptions=True)
+    assert 504 in statuses, statuses  # the saturated engine was late
+    assert 'gateway_replica_up{pool="chat",replica="r0"} 1.0' in text
+    busy = [line for line in text.splitlines() if line.startswith("gateway_replica_busy_timeouts_total")]
+    assert busy and float(busy[0].rsplit(" ", 1)[1]) >= statuses.count(504), busy
+    assert not [r for r in caplog.records if "circuit opened" in r.getMessage()]
+
+
 # --- the precise index from KV events ------------------------------------------------------------
 async def test_the_index_follows_what_the_engine_stores_clears_and_evicts(engine: Engine) -> None:
     """Only r0 behind the gateway, its KV events on, routed learning short-lived: the index's
