@@ -51,11 +51,20 @@ class _Counted(GuardedHttpToolsProtocol):
 
 
 class GatewayThread:
-    """A replica and the gateway in front of it, on a uvloop loop in their own thread, the
-    gateway served with `gateway serve`'s uvicorn settings (`server` overrides its keys)."""
+    """Replicas (`Upstream("a")` unless given; a URL: one nothing serves) and the gateway in front
+    of them, on a uvloop loop
+    in their own thread, the gateway served with `gateway serve`'s uvicorn settings (`server`
+    overrides its keys, `pool` the pool's)."""
 
-    def __init__(self, server: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        server: dict[str, Any],
+        replicas: list[Any] | None = None,
+        pool: dict[str, Any] | None = None,
+    ) -> None:
         self.server_cfg = server
+        self.replicas = replicas or [Upstream("a")]
+        self.pool = pool or {}
         self.loop = uvloop.new_event_loop()
         self.ready = threading.Event()
         self.url = ""
@@ -64,10 +73,12 @@ class GatewayThread:
         self.counted = type("Counted", (_Counted,), {"made": 0, "sockets": []})
 
     async def _main(self) -> None:
-        up = await start_server(Upstream("a"))
+        ups = [await start_server(r) for r in self.replicas if not isinstance(r, str)]
+        served = iter(ups)
+        urls = [r if isinstance(r, str) else next(served).url for r in self.replicas]
         config = parse_config({
             "server": self.server_cfg,
-            "pools": {"chat": {"replicas": [up.url], "policy": "round_robin"}},
+            "pools": {"chat": {"replicas": urls, "policy": "round_robin", **self.pool}},
             "tenants": [{"name": "t", "api_keys": [KEY]}],
         })  # fmt: skip
         options = {**server_options(config), "port": 0, "loop": "none", "http": self.counted}
@@ -81,7 +92,8 @@ class GatewayThread:
         await self._stop.wait()
         server.should_exit = True
         await task
-        await up.stop()
+        for u in ups:
+            await u.stop()
 
     def __enter__(self) -> GatewayThread:
         self.thread.start()
