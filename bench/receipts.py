@@ -9,7 +9,8 @@ it chose (`predicted_cached_tokens`) and the tokens the engine reported reusing
 (`cached_tokens`). A repeat request (its group's prefix was sent before) is a hit when the two
 are within one engine block; every miss is listed with what tells why.
 
-Under load (`--under-load`): the engines get a small KV space (`--kv-blocks`, LRU evicts), and
+Under load (`--under-load`): the engines get a small KV space (`--kv-blocks`, LRU evicts: 128
+blocks are 4,096 tokens, while a wave puts 8 prompts of up to 1,600 tokens on each replica), and
 the requests go in waves of `--concurrency`, each wave sent at once: a group's first request and
 its repeats in one wave are a burst on a prefix still being prefilled. The table then says, of
 the repeats, the share whose receipt is `over` (the engine did not have what the gateway
@@ -18,7 +19,7 @@ flight on the same replica) or not (the engine had evicted the blocks, or never 
 
     .venv/bin/python -m bench.receipts                          # starts 2 replicas (~2 min), ~6 min
     .venv/bin/python -m bench.receipts --shapes system agent --modes tokens --requests 12
-    .venv/bin/python -m bench.receipts --under-load             # 8 at once, 96 KV blocks a replica
+    .venv/bin/python -m bench.receipts --under-load             # 16 at once, 128 KV blocks a replica
 """
 
 from __future__ import annotations
@@ -351,8 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--under-load", action="store_true",
                     help="waves of --concurrency requests at once, --kv-blocks of KV a replica")
-    ap.add_argument("--concurrency", type=int, default=8, help="under load: requests a wave")
-    ap.add_argument("--kv-blocks", type=int, default=96,
+    ap.add_argument("--concurrency", type=int, default=16, help="under load: requests a wave")
+    ap.add_argument("--kv-blocks", type=int, default=128,
                     help="under load: each engine's KV blocks (--num-gpu-blocks-override)")
     return asyncio.run(amain(ap.parse_args(argv)))
 
