@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from gateway.config import Config, ConfigError, load_config
 from gateway.version import gateway_version
@@ -96,20 +97,11 @@ def app_from_env() -> object:
     return create_app(config, config_path=path, own_process=True)
 
 
-def serve(
-    config: Config,
-    config_path: str | None = None,
-    workers: int = 1,
-    overrides: dict[str, object] | None = None,
-) -> None:
-    import uvicorn
-
-    from gateway.http.app import create_app
+def server_options(config: Config) -> dict[str, Any]:
+    """uvicorn's settings for `gateway serve` (the gateway's server protocol, its timeouts)."""
     from gateway.http.protocol import GuardedHttpToolsProtocol
-    from gateway.telemetry.logs import setup_logging
 
-    setup_logging(config.server.log_level, config.server.log_format)
-    common = dict(
+    return dict(
         host=config.server.host,
         port=config.server.port,
         loop="uvloop",
@@ -119,17 +111,33 @@ def serve(
         access_log=False,
         proxy_headers=False,  # nothing reads the client address: no X-Forwarded-* rewrite per request
         timeout_graceful_shutdown=int(config.server.graceful_shutdown_s),
+        timeout_keep_alive=config.server.keep_alive_s,
         # no limit_concurrency: the app holds server.max_connections itself, so health probes
         # stay exempt and the 503 is OpenAI-shaped (GatewayApp)
     )
+
+
+def serve(
+    config: Config,
+    config_path: str | None = None,
+    workers: int = 1,
+    overrides: dict[str, object] | None = None,
+) -> None:
+    import uvicorn
+
+    from gateway.http.app import create_app
+    from gateway.telemetry.logs import setup_logging
+
+    setup_logging(config.server.log_level, config.server.log_format)
+    common = server_options(config)
     if workers > 1:
         assert config_path is not None
         os.environ["KVGATEWAY_CONFIG"] = config_path
         os.environ["KVGATEWAY_OVERRIDES"] = json.dumps(overrides or {})
-        uvicorn.run("gateway.cli:app_from_env", factory=True, workers=workers, **common)  # type: ignore[arg-type]
+        uvicorn.run("gateway.cli:app_from_env", factory=True, workers=workers, **common)
         return
     app = create_app(config, config_path=config_path, own_process=True)
-    uvicorn.Server(uvicorn.Config(app, **common)).run()  # type: ignore[arg-type]
+    uvicorn.Server(uvicorn.Config(app, **common)).run()
 
 
 DEMO_NEEDS = ("simulator", "aiohttp")  # the simulator package and the demo's load client

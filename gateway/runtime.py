@@ -160,7 +160,8 @@ class Gateway:
         self._session = open_control_client(connect_s)
         self._upstream = HttpClient(connect_s)
         self._background = Background(
-            self._session, lambda: self.current, self.set_endpoints, self.fall_back_to_bytes
+            self._session, lambda: self.current, self.set_endpoints, self.fall_back_to_bytes,
+            self._upstream.received,
         )
         self._background.start(self.current)
         self.fleet = start_fleet_load(lambda: self.current, self.notify_capacity, self.metrics.registry)

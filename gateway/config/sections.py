@@ -76,6 +76,12 @@ class ServerConfig(_Strict):
     beyond it a request gets an OpenAI-shaped 503 at once. `/health`, `/ready` and `/metrics` are exempt: probes answer
     while every slot is taken. Idle connections are not counted: they are closed by the header
     deadline and the keep-alive timeout.
+
+    `keep_alive_s`: a kept-alive client connection idle this long is closed. Longer than the
+    idle time of the clients' connection pools (aiohttp 15 s, httpx and the OpenAI SDK 5 s, Go
+    90 s, load balancers 60 s), so that the client, not the gateway, ends an idle connection: a
+    server that closes one first races the client's next request on it. Every close the gateway
+    makes is a lingering one (FIN, then the client's bytes read and dropped), never a reset.
     """
 
     host: str = "127.0.0.1"
@@ -84,6 +90,7 @@ class ServerConfig(_Strict):
     max_body_bytes_in_flight: int | None = Field(256 * 1024 * 1024, ge=1024)  # None: no cap
     max_answer_bytes_in_flight: int | None = Field(256 * 1024 * 1024, ge=1024)  # None: no cap
     graceful_shutdown_s: float = Field(30.0, ge=0)
+    keep_alive_s: float = Field(120.0, gt=0)  # idle client connections close after this
     body_timeout_s: float = Field(30.0, gt=0)  # deadline for a WHOLE request body, from its start
     max_connections: int | None = Field(None, ge=1)  # requests in flight; health probes exempt
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -108,11 +115,18 @@ class ServerConfig(_Strict):
 
 
 class HealthConfig(_Strict):
+    """`pools.<p>.health:`. A replica that refuses or resets a connection, answers 5xx or breaks
+    a stream fails; one that only times out (a connect, a first byte, a probe) is busy, not dead,
+    as long as it was heard from (it sent a byte of anything: a request's answer, a probe's, a
+    scrape's) within `dead_after_s`: its timeouts fail over but open no circuit. Silent longer,
+    its timeouts count as failures too (a hung process, a host out of reach)."""
+
     path: str = "/health"
     interval_s: float = Field(2.0, gt=0)
     timeout_s: float = Field(1.0, gt=0)
     failures_to_open: int = Field(3, ge=1)
     open_s: float = Field(5.0, gt=0)  # how long an open circuit waits before a half-open probe
+    dead_after_s: float = Field(10.0, gt=0)  # silent this long, timeouts count as failures
 
 
 class TimeoutsConfig(_Strict):
@@ -123,10 +137,14 @@ class TimeoutsConfig(_Strict):
 
 
 class ScrapeConfig(_Strict):
+    """`pools.<p>.scrape:`. A busy replica answers `/metrics` slowly: a scrape waits for it up
+    to `timeout_s` (its answer is still fresh load), and a slow or failed scrape never counts
+    against the replica's health."""
+
     enabled: bool = True
     path: str = "/metrics"
     interval_s: float = Field(1.0, gt=0)
-    timeout_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(4.0, gt=0)
     stale_after_s: float = Field(5.0, gt=0)  # after this, scraped load counts as unknown
 
 

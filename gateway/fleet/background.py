@@ -40,8 +40,12 @@ class Background:
         current: Callable[[], Snapshot],
         set_endpoints: SetEndpoints,
         fall_back_to_bytes: Callable[[], None],
+        received: Callable[[str], int] | None = None,
     ) -> None:
+        """`received(url)`: bytes the request path received from a replica (its monitor hears
+        the replica while they move)."""
         self.session = session
+        self._received = received
         self._current = current
         self._set_endpoints = set_endpoints
         self._fall_back = fall_back_to_bytes
@@ -104,7 +108,7 @@ class Background:
                     continue
                 m = ReplicaMonitor(
                     r, self.session, pool.config.health, pool.config.scrape, self._engine_kv,
-                    self._lost,
+                    self._lost, self._received,
                 )
                 m.models_refresh_s = pool.config.lora.refresh_s
                 m.start()

@@ -25,6 +25,7 @@ from gateway.routing.lora import (
     refresh_models,
 )
 from gateway.upstream.control import CONTROL_ERRORS, ControlClient, fetch, status_of
+from gateway.upstream.errors import UpstreamConnectTimeout
 from policies.types import ReplicaView
 
 log = logging.getLogger("gateway.replicas")
@@ -78,6 +79,11 @@ class ReplicaState:
     kv_events: str | None = None
     kv_events_replay: str | None = None
     stale_after_s: float = 5.0
+    dead_after_s: float = 10.0  # pools.<p>.health.dead_after_s
+    # when it last sent a byte of anything (an answer, a probe's, a scrape's; monotonic): a
+    # replica heard from within `dead_after_s` that only times out is busy, not dead
+    heard_at: float = field(default_factory=time.monotonic)
+    busy: int = 0  # timeouts not counted against its circuit: it was heard from (`failed`)
     draining: bool = False
     inflight: int = 0
     inflight_prompt_tokens: int = 0
@@ -134,6 +140,7 @@ class ReplicaState:
             models=frozenset(rc.models),
             capacity_blocks=rc.capacity_blocks or pool.capacity_blocks,
             stale_after_s=pool.scrape.stale_after_s,
+            dead_after_s=pool.health.dead_after_s,
             kv_events=rc.kv_events,
             kv_events_replay=rc.kv_events_replay,
             lora_max=pool.lora.max_loras,
@@ -148,6 +155,7 @@ class ReplicaState:
         self.models = frozenset(rc.models)
         self.capacity_blocks = rc.capacity_blocks or pool.capacity_blocks
         self.stale_after_s = pool.scrape.stale_after_s
+        self.dead_after_s = pool.health.dead_after_s
         self.lora_max = pool.lora.max_loras
 
     async def drained(self, timeout_s: float) -> bool:
@@ -285,13 +293,28 @@ class ReplicaState:
             log.info("replica %s: circuit closed", self.name)
             self._changed()
 
-    def failed(self, why: str) -> bool:
-        """Count a failure; True when it opened the circuit."""
-        if self.circuit.failure(time.monotonic()):
+    def failed(self, why: str, busy: bool = False) -> bool:
+        """Count a failure; True when it opened the circuit.
+
+        `busy`: the failure was a timeout (a connect, a first byte, a probe), which a replica
+        that is alive but slow gives as surely as a dead one. Heard from within `dead_after_s`,
+        it is busy: counted in `busy`, not against its circuit (its requests fail over all the
+        same). Silent longer, the timeout is a failure like any other."""
+        now = time.monotonic()
+        if busy and now - self.heard_at < self.dead_after_s:
+            if not self.busy:
+                log.info("replica %s: busy (%s); alive, so its circuit does not count it", self.name, why)
+            self.busy += 1
+            return False
+        if self.circuit.failure(now):
             log.warning("replica %s: circuit opened (%s)", self.name, why)
             self._changed()
             return True
         return False
+
+    def heard(self, now: float | None = None) -> None:
+        """It sent something: it is alive, however busy."""
+        self.heard_at = time.monotonic() if now is None else now
 
     def lost(self, why: str) -> None:
         """Its KV cache is gone or out of reach: what the index holds for it is no prediction."""
@@ -316,16 +339,21 @@ class ReplicaMonitor:
         scrape: ScrapeConfig,
         on_engine_kv: Callable[[ReplicaState], None] | None = None,
         on_lost: Callable[[ReplicaState, str], None] | None = None,
+        received: Callable[[str], int] | None = None,
     ) -> None:
         """`on_engine_kv(replica)`: the engine reported its KV cache geometry for the first time,
         or another one (`replica.engine_kv`), in its `cache_config_info` metric. `on_lost(replica,
-        why)`: its prefix cache is gone (ReplicaState.lost)."""
+        why)`: its prefix cache is gone (ReplicaState.lost). `received(url)`: the bytes the
+        request path has received from a replica so far (`HttpClient.received`): while they
+        move, the replica is heard from."""
         self.replica = replica
         self.client = client
         self.health = health
         self.scrape = scrape
         replica.on_engine_kv = on_engine_kv
         replica.on_lost = on_lost
+        self._received = received
+        self._received_last = -1
         self._tasks: list[asyncio.Task[None]] = []
         self._scrape_failing = False
         self.models_refresh_s = 5.0  # pools.<p>.lora.refresh_s
@@ -345,18 +373,34 @@ class ReplicaMonitor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
 
+    def listen(self) -> None:
+        """The replica is heard from if the request path received bytes from it since the last
+        look."""
+        if self._received is not None:
+            got = self._received(self.replica.url)
+            if got != self._received_last:
+                if self._received_last >= 0:
+                    self.replica.heard()
+                self._received_last = got
+
     async def probe_once(self) -> bool:
         r = self.replica
+        self.listen()
+        busy = False
         try:
             status = await status_of(
                 self.client, r.url + self.health.path, timeout_s=self.health.timeout_s
             )
+            r.heard()
             ok = status == 200
-        except CONTROL_ERRORS:
+            why = f"health probe answered {status}"
+        except CONTROL_ERRORS as exc:
             ok = False
+            busy = isinstance(exc, TimeoutError | UpstreamConnectTimeout)
+            why = "health probe timed out" if busy else f"health probe failed ({type(exc).__name__})"
         if ok:
             r.succeeded()
-        elif r.failed("health probe failed"):
+        elif r.failed(why, busy):
             r.lost("its health probes failed until its circuit opened")
         return ok
 
@@ -368,8 +412,10 @@ class ReplicaMonitor:
             )
             text = reply.text() if reply.status == 200 else None
             why = f"HTTP {reply.status}"
+            r.heard()
         except _SCRAPE_ERRORS as exc:
             text, why = None, type(exc).__name__
+        self.listen()
         if text is None:
             if not self._scrape_failing:
                 log.warning("replica %s: metrics scrape failing (%s)", r.name, why)

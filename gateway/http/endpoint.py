@@ -26,7 +26,7 @@ from gateway.errors import (
 from gateway.http import delays
 from gateway.http.protocol import body_buffered
 from gateway.http.writer import ResponseWriter
-from gateway.limits.budgets import BodyBudget
+from gateway.limits.budgets import BodyBudget, shutting_down
 from gateway.limits.tenants import Tenant
 from gateway.pipeline import Pipeline, RawHeaders
 from gateway.snapshot import Snapshot
@@ -285,7 +285,8 @@ class ProxyEndpoint:
             if not writer.started:
                 await send_error(writer, exc)
         except asyncio.CancelledError:
-            if not watch.gone:
+            if not watch.gone:  # the server cancelled it: its graceful shutdown ran out
+                await self._cancelled(snap, writer, rec)
                 raise
             task.uncancel()
             rec.outcome, rec.error_type = "client_disconnected", "client_disconnected"
@@ -298,3 +299,17 @@ class ProxyEndpoint:
             watching.disarm(watch)
             watch.stop()
         await pipeline.finish(snap, rec, error)
+
+    async def _cancelled(self, snap: Snapshot, writer: ResponseWriter, rec: Record) -> None:
+        """The request's task was cancelled by the server (its graceful shutdown ran out): the
+        client still gets one answer (a 503 when nothing of one was sent; uvicorn would send a
+        plain-text 500) and the request its line in the request log."""
+        error = shutting_down()
+        started = writer.started
+        if started:  # the answer began: it ends cut short
+            rec.outcome, rec.error_type = "broken_mid_stream", error.type
+        try:
+            if not started:
+                await send_error(writer, error, close=True)
+        finally:
+            await self.pipeline.finish(snap, rec, None if started else error)

@@ -5,11 +5,20 @@ It also tells the app when the server's graceful shutdown begins (uvicorn tells 
 apps): the app's `begin_shutdown(grace_s)` ends its streams before the grace runs out; and it
 gives each request's task a `BodyWriter` (`body_writer()`), with which the stream relay writes a
 chunk of a streamed body straight to the client's socket when it can go at once, instead of an
-ASGI message, two coroutine calls and a copy per chunk."""
+ASGI message, two coroutine calls and a copy per chunk.
+
+And it never resets a connection under a request the client sent: every close it makes (the
+keep-alive timeout, a refusal, the end of a `Connection: close` answer, an idle connection at
+shutdown) is a lingering close, FIN first and whatever the client still sends read and dropped
+until it closes too (at most `LINGER_S`), so the client reads a clean end, never a reset that
+can also destroy the answer it was reading; and the idle timeout never closes a connection whose
+next request already waits in the socket (a loop that stalled past the deadline serves it)."""
 
 from __future__ import annotations
 
 import asyncio
+import select
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -25,6 +34,7 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 256
 HEADER_TIMEOUT_S = 10.0
 DEADLINE_TICK_S = 0.25  # the header and keep-alive deadlines fire up to this much late
+LINGER_S = 2.0  # a closing connection reads and drops the client's bytes this long at most
 
 _REFUSALS = {
     408: b"HTTP/1.1 408 Request Timeout\r\n",
@@ -66,7 +76,7 @@ class BodyWriter:
         c.response_complete = True
         c.message_event.set()
         if not c.keep_alive:
-            c.transport.close()
+            c.transport.close()  # the protocol's lingering close (`_CycleTransport`)
         c.on_response()
 
     def _chunk_now(self) -> bool:
@@ -151,6 +161,38 @@ class BodyWriter:
         return head
 
 
+class _CycleTransport:
+    """The connection as a request's cycle (uvicorn's, and `BodyWriter`) sees it: writes go to the
+    socket as before, `close()` is the protocol's lingering close."""
+
+    __slots__ = ("write", "is_closing", "close", "get_extra_info")
+    write: Callable[[bytes], None]
+    is_closing: Callable[[], bool]
+    close: Callable[[], None]
+    get_extra_info: Callable[..., Any]
+
+    def __init__(self, protocol: GuardedHttpToolsProtocol) -> None:
+        transport = protocol.transport
+        self.write = transport.write
+        self.get_extra_info = transport.get_extra_info
+        self.is_closing = protocol.is_closing
+        self.close = protocol.close_softly
+
+
+def input_waiting(transport: asyncio.BaseTransport) -> bool:
+    """Bytes (or the client's end) wait unread in the connection's socket: a request sent that
+    the loop has not read yet. False when it cannot tell (no socket)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 _WRITER: ContextVar[BodyWriter | None] = ContextVar("kvgateway_body_writer", default=None)
 
 
@@ -177,21 +219,65 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._header_count = 0
         self._refused = False
+        self._lingering = False  # closing: FIN sent, the client's bytes are read and dropped
+        self._cycle_transport: _CycleTransport | None = None
         # the deadlines each connection keeps, on queues the loop's connections share (no loop
         # timer per request); their callbacks made once
         self._header_deadline = delays.shared(self.loop, HEADER_TIMEOUT_S, DEADLINE_TICK_S)
         self._idle_deadline = delays.shared(self.loop, self.timeout_keep_alive, DEADLINE_TICK_S)
+        self._linger_deadline = delays.shared(self.loop, LINGER_S, DEADLINE_TICK_S)
         self._on_slow = self._too_slow
         self._on_idle = self.timeout_keep_alive_handler
+        self._on_lingered = self._lingered
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._cycle_transport = _CycleTransport(self)
         self._arm()  # a connection that never sends a request goes too
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._unset_keepalive_if_required()
+        self._linger_deadline.disarm(self)
         super().connection_lost(exc)
+
+    # --- closing without a reset -----------------------------------------------------------------
+    def is_closing(self) -> bool:
+        return self._lingering or self.transport.is_closing()
+
+    def close_softly(self) -> None:
+        """End the connection so that the client reads a clean end, not a reset: what was written
+        goes, then a FIN; bytes the client still sends (a request that crossed the FIN, the rest of
+        a refused body) are read and dropped until it closes its side, `LINGER_S` at most. A
+        socket closed with unread bytes in it, or that receives bytes once closed, answers them
+        with a reset, and a reset can destroy the answer the client had not read yet."""
+        t = self.transport
+        if self._lingering or t.is_closing():
+            return
+        self._lingering = True
+        self._disarm()
+        self._unset_keepalive_if_required()
+        try:
+            if not t.can_write_eof():
+                t.close()
+                return
+            t.write_eof()
+            self.flow.resume_reading()
+        except (OSError, RuntimeError):
+            t.close()
+            return
+        self._linger_deadline.arm(self, self._on_lingered)
+
+    def _lingered(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def timeout_keep_alive_handler(self) -> None:
+        """The connection was idle for `server.keep_alive_s`: close it, softly, unless its next
+        request already waits unread (the loop stalled past the deadline): that one is served."""
+        if self.is_closing() or input_waiting(self.transport):
+            return
+        self.close_softly()
 
     # uvicorn arms a loop timer for the keep-alive timeout after every response; this protocol
     # arms the loop's shared queue of such deadlines instead (what uvicorn's
@@ -201,7 +287,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self.server_state.total_requests += 1
-        if self.transport.is_closing():
+        if self.is_closing():
             return
         self._unset_keepalive_if_required()
         self.flow.resume_reading()
@@ -223,7 +309,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 app = getattr(app, "app", None)
                 if app is None:
                     break
-        super().shutdown()
+        # uvicorn's, with a lingering close: an idle connection ends now, a busy one after the
+        # answer in flight (which says `connection: close`)
+        if self.cycle is None or self.cycle.response_complete:
+            self.close_softly()
+        else:
+            self.cycle.keep_alive = False
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         # the task copies the context as it is created: its request's writer is in it
@@ -234,8 +325,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             _WRITER.reset(token)
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return
+        if self._refused or self._lingering:
+            return  # a refused or closing connection's bytes are dropped
         super().data_received(data)
 
     def on_message_begin(self) -> None:
@@ -256,6 +347,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         if not self._refused:
             super().on_headers_complete()
+            if self._cycle_transport is not None and self.cycle is not None:
+                self.cycle.transport = self._cycle_transport  # type: ignore[assignment]
 
     def _count(self, size: int, headers: int) -> None:
         self._header_bytes += size
@@ -271,6 +364,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _too_slow(self) -> None:
         if self.cycle is None or self.cycle.response_complete:  # no request in progress
+            if input_waiting(self.transport):  # the loop stalled: the bytes are there, unread
+                self._arm()
+                return
             self._refuse(408, "Request headers not received in time")
 
     def _refuse(self, status: int, message: str) -> None:
@@ -285,4 +381,4 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             + b"\r\nconnection: close\r\n\r\n"
             + body
         )
-        self.transport.close()
+        self.close_softly()

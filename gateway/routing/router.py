@@ -377,13 +377,14 @@ class Dispatch:
             self._prefilled = True
             self.replica.prefilled(self.uncached, self.cold)
 
-    async def failed(self, why: str) -> None:
-        """The attempt failed before an answer: the replica's breaker counts it and the blocks
+    async def failed(self, why: str, busy: bool = False) -> None:
+        """The attempt failed before an answer: the replica's breaker counts it (unless it timed
+        out, `busy`, on a replica still heard from: `ReplicaState.failed`) and the blocks
         recorded at dispatch that it did not hold before go again."""
         if self._settled:
             return
         self._settled = True
-        self.replica.failed(why)
+        self.replica.failed(why, busy)
         await self._unrecord()
 
     async def finished(

@@ -93,9 +93,11 @@ class Metrics:
         )
         self.receipts = CounterTally(
             "gateway_route_receipts_total",
-            "Served requests whose replica reported its cached prompt tokens, by how the gateway's "
-            "prediction compared (exact, within_block: off by at most one engine block, over: "
-            "predicted more than the engine reused, under: less); docs/receipts.md.",
+            "Served requests of a pool whose policy hashes prompts, by how the gateway's predicted "
+            "cached prompt tokens compared with the engine's report (cold: neither expected a hit, "
+            "exact, within_block: off by at most one engine block, over: predicted more than the "
+            "engine reused, under: less, unreported: the engine did not say); "
+            "docs/real-vllm.md#the-route-receipt.",
             ["pool", "verdict"],
         )
         self.receipt_error = HistogramTally(
@@ -423,8 +425,23 @@ class _ReplicaCollector(Collector):
             "KV cache usage (0-1) scraped from the replica.",
             labels=labels,
         )
+        busy = CounterMetricFamily(
+            "gateway_replica_busy_timeouts",
+            "Timeouts on the replica (a connect, a first byte, a health probe) while it was "
+            "heard from within health.dead_after_s: busy, not dead; not counted against its "
+            "circuit.",
+            labels=labels,
+        )
+        silent = GaugeMetricFamily(
+            "gateway_replica_silent_seconds",
+            "Seconds since the replica last sent a byte of anything (an answer, a probe's, a "
+            "scrape's), as of its last look (every scrape or probe).",
+            labels=labels,
+        )
         for r in self._replicas():
             lv = [r.pool, r.name]
+            busy.add_metric(lv, r.busy)
+            silent.add_metric(lv, max(0.0, now - r.heard_at))
             state = r.circuit.current(now)
             up.add_metric(lv, 1.0 if r.proven(now) else 0.0)
             for s in (CLOSED, OPEN, HALF_OPEN):
@@ -439,4 +456,4 @@ class _ReplicaCollector(Collector):
                     running.add_metric(lv, r.scraped.running)
                 if r.scraped.kv_usage is not None:
                     kv.add_metric(lv, r.scraped.kv_usage)
-        yield from (up, circuit, inflight, pending, waiting, running, kv)
+        yield from (up, circuit, inflight, pending, waiting, running, kv, busy, silent)

@@ -189,9 +189,9 @@ class Recorder:
                 m.observed_cached_tokens.labels(pool).inc(sent.cached_tokens)
             if sent.predicted_tokens is not None:
                 rec.receipt = self.receipt(snap, rec)
-                if rec.receipt is not None:
-                    m.receipts.labels(pool, rec.receipt.verdict).inc()
-                    m.receipt_error.labels(pool).observe(rec.receipt.error)
+                m.receipts.labels(pool, rec.receipt.verdict).inc()
+                if (error := rec.receipt.error) is not None:
+                    m.receipt_error.labels(pool).observe(error)
         elif replica != "none":
             m.attempts.labels(pool, replica, f"status_{status // 100}xx").inc()
         if pool != "none":
@@ -214,8 +214,8 @@ class Recorder:
             self.log(snap, rec, status or 499, e2e, ttft)
 
     @staticmethod
-    def receipt(snap: Snapshot, rec: Record) -> Receipt | None:
-        """The served request's route receipt (gateway/telemetry/receipt.py), if the engine reported."""
+    def receipt(snap: Snapshot, rec: Record) -> Receipt:
+        """The served request's route receipt (gateway/telemetry/receipt.py)."""
         sent, chunker = rec.sent, snap.chunker
         assert sent.predicted_tokens is not None
         block = sent.engine_block or int(chunker.tokens_per_block)
@@ -356,8 +356,9 @@ def _finish_trace(rec: Record, tr: RequestTrace, status: int, now: int) -> None:
             measured[_OUTPUT_TOKENS] = output_tokens
         if receipt is None:
             return same, measured
-        route = {_R_PREDICTED: receipt.predicted, _R_CACHED: receipt.reported,
-                 _R_VERDICT: receipt.verdict}  # fmt: skip
+        route: dict[str, object] = {_R_PREDICTED: receipt.predicted, _R_VERDICT: receipt.verdict}
+        if receipt.reported is not None:  # unreported: no such attribute
+            route[_R_CACHED] = receipt.reported
         return same, measured, route
 
     tr.finish(

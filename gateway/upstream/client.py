@@ -19,6 +19,7 @@ from gateway.upstream.errors import (
     UpstreamBrokenError,
     UpstreamClientError,
     UpstreamConnectError,
+    UpstreamConnectTimeout,
     UpstreamProtocolError,
     UpstreamTooLargeError,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "UpstreamBrokenError",
     "UpstreamClientError",
     "UpstreamConnectError",
+    "UpstreamConnectTimeout",
     "HttpClient",
     "UpstreamProtocolError",
     "UpstreamResponse",
@@ -43,7 +45,7 @@ _FRAMING = frozenset({b"host", b"content-length", b"connection", b"transfer-enco
 class _Origin:
     """scheme://host:port, parsed once, with its idle connections (most recent last)."""
 
-    __slots__ = ("name", "host", "port", "tls", "host_header", "idle")
+    __slots__ = ("name", "host", "port", "tls", "host_header", "idle", "received")
 
     def __init__(self, name: str, host: str, port: int, tls: bool, host_header: bytes) -> None:
         self.name = name
@@ -52,6 +54,7 @@ class _Origin:
         self.tls = tls
         self.host_header = host_header
         self.idle: deque[_Connection] = deque()
+        self.received = 0  # bytes that came from it: a busy replica still sends, a dead one not
 
 
 class _Connection(asyncio.Protocol):
@@ -80,6 +83,7 @@ class _Connection(asyncio.Protocol):
         self.pool._conns.add(self)
 
     def data_received(self, data: bytes) -> None:
+        self.origin.received += len(data)
         resp = self.resp
         if resp is None:  # bytes nobody asked for: the connection's framing can't be trusted
             self.close(abort=True)
@@ -235,6 +239,12 @@ class HttpClient:
                 raise
             return resp
 
+    def received(self, origin: str) -> int:
+        """Bytes received from `origin` (as given to `request`) so far: when it moves, the
+        replica is alive, however slow it is to accept a connection or answer a probe."""
+        o = self._origins.get(origin)
+        return o.received if o is not None else 0
+
     async def __aenter__(self) -> HttpClient:
         return self
 
@@ -295,7 +305,7 @@ class HttpClient:
             async with asyncio.timeout(timeout):
                 await loop.create_connection(lambda: conn, o.host, o.port, ssl=tls)
         except TimeoutError:
-            raise UpstreamConnectError(
+            raise UpstreamConnectTimeout(
                 f"connect to {o.name} timed out after {timeout:.3g} s"
             ) from None
         except OSError as exc:

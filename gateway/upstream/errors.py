@@ -17,6 +17,7 @@ class UpstreamClientError(Exception):
 
     UpstreamClientError
     ├── UpstreamConnectError     nothing of the response arrived: safe to try another replica
+    │   ├── UpstreamConnectTimeout   the connect did not complete in time (busy, or out of reach)
     │   └── UpstreamProtocolError    the bytes before the headers' end were not HTTP
     └── UpstreamBrokenError      the response started, then the connection or its framing broke
         └── UpstreamTooLargeError    read_all: the body is larger than the caller's limit
@@ -25,6 +26,12 @@ class UpstreamClientError(Exception):
 
 class UpstreamConnectError(UpstreamClientError):
     """Connect refused or timed out, or the connection ended before the response headers."""
+
+
+class UpstreamConnectTimeout(UpstreamConnectError):
+    """The connect did not complete within the connect timeout: a replica too busy to accept
+    (its accept queue full, its process starved of CPU), or one out of reach. Unlike a refused
+    or reset connection it is no proof that the replica is down."""
 
 
 class UpstreamProtocolError(UpstreamConnectError):

@@ -86,7 +86,7 @@ class Failover:
                     await current.finished(True, True, None)
                     raise
                 except Retryable as exc:
-                    await current.failed(exc.reason)
+                    await current.failed(exc.reason, exc.busy)
                     failures.append((name, exc))
                     outcome = attempt_outcome(exc)
                     fwd.attempts.append(

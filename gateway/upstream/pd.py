@@ -249,7 +249,7 @@ class PdForwarder:
         t0: int,
         ran_prefill: bool = False,
     ) -> _Step:
-        await disp.failed(exc.reason)
+        await disp.failed(exc.reason, exc.busy)
         leg.failures.append((f"{disp.replica.name} ({role})", exc))
         outcome = attempt_outcome(exc)
         self._attempt(leg, disp, role, t0, time.perf_counter_ns(), exc.status or 0, outcome)

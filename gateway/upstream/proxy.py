@@ -30,6 +30,7 @@ from gateway.upstream.client import (
     HttpClient,
     UpstreamBrokenError,
     UpstreamConnectError,
+    UpstreamConnectTimeout,
     UpstreamResponse,
     UpstreamTooLargeError,
 )
@@ -42,12 +43,16 @@ _PASS_HEADERS = frozenset({b"content-type", b"x-request-id", b"openai-processing
 
 
 class Retryable(Exception):
-    """The replica failed before anything reached the client: try the next candidate."""
+    """The replica failed before anything reached the client: try the next candidate.
 
-    def __init__(self, reason: str, status: int | None = None) -> None:
+    `busy`: it timed out (the connect, or the first byte) rather than refused, reset or erred: a
+    replica that is alive but slow looks so too (`ReplicaState.failed` tells the two apart)."""
+
+    def __init__(self, reason: str, status: int | None = None, busy: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.busy = busy
 
 
 @dataclass(slots=True)
@@ -134,9 +139,10 @@ async def open_upstream(
     except TimeoutError:
         if resp is not None:
             resp.abort()
-        raise Retryable("timeout before the first byte") from None
+        raise Retryable("timeout before the first byte", busy=True) from None
     except UpstreamConnectError as exc:
-        raise Retryable(f"connection failed ({exc})") from None
+        busy = isinstance(exc, UpstreamConnectTimeout)
+        raise Retryable(f"connection failed ({exc})", busy=busy) from None
     except UpstreamBrokenError as exc:
         if resp is not None:
             resp.abort()

@@ -92,7 +92,7 @@ async def by_id(
             method=kind.method, json_answer=False,
         )  # fmt: skip
     except Retryable as exc:
-        replica.failed(exc.reason)
+        replica.failed(exc.reason, exc.busy)
         outcome = attempt_outcome(exc)
         fwd.attempts.append(
             (replica.name, replica.url, fwd.t_sent, time.perf_counter_ns(), exc.status or 0, outcome)

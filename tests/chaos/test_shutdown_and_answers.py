@@ -12,6 +12,7 @@ import httpx
 import orjson
 import uvicorn
 
+from bench.access_log import access_lines
 from gateway import create_app, parse_config
 from gateway.http.protocol import GuardedHttpToolsProtocol
 from tests.gateway.fake_replica import Upstream
@@ -51,6 +52,14 @@ async def _production_server(
         app, lifespan="on", http=GuardedHttpToolsProtocol, graceful_s=grace_s
     )
     return served.server, served.task, served.port
+
+
+async def _stopped(server: uvicorn.Server, task: asyncio.Task[None], upstream: Any) -> None:
+    """The gateway's server stopped (if the test did not get that far), then its replica."""
+    server.should_exit = True
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(task, 10)
+    await upstream.stop()
 
 
 def _dechunk(raw: bytes) -> tuple[bytes, bool]:
@@ -139,12 +148,36 @@ async def test_stream_shutdown_is_clean_for_httpx() -> None:
                         server.should_exit = True
         await asyncio.wait_for(task, 10)
     finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
-        await served.stop()
+        await _stopped(server, task, served)
     data = [ln for ln in lines if ln.startswith("data: ")]
     assert orjson.loads(data[-1][6:])["error"]["type"] == "service_unavailable_error"
+
+
+async def test_a_request_the_shutdown_cancels_is_answered_and_logged() -> None:
+    """A non-streamed request still waiting on its replica when the graceful shutdown runs out
+    is cancelled by the server; it still gets one OpenAI-shaped answer (503
+    `server_shutting_down`, not uvicorn's plain-text 500) and one line in the request log."""
+    up = Upstream("a", delay_s=30)
+    served = await start_server(up)
+    app = create_app(_config([served.url], {"graceful_shutdown_s": 1}))
+    server, task, port = await _production_server(app, grace_s=1)
+    try:
+        with access_lines() as lines:
+            async with httpx.AsyncClient(timeout=10) as client:
+                pending = asyncio.ensure_future(client.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT,
+                    headers={"authorization": f"Bearer {KEY}", "x-request-id": "cut-by-shutdown"},
+                ))  # fmt: skip
+                await poll_until(lambda: up.calls == 1, 5)
+                server.should_exit = True
+                res = await pending
+            await asyncio.wait_for(task, 10)
+    finally:
+        await _stopped(server, task, served)
+    assert res.status_code == 503, res.text
+    assert res.json()["error"]["code"] == "server_shutting_down"
+    mine = [line for line in lines if line.get("request_id") == "cut-by-shutdown"]
+    assert len(mine) == 1 and mine[0]["status"] == 503, lines
 
 
 async def test_answer_bytes_in_flight_are_capped() -> None:

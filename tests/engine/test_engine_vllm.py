@@ -185,31 +185,48 @@ async def test_receipts_every_shape(engine: Engine, mode: str) -> None:
 
 
 async def test_the_receipt_reaches_metrics_trace_and_log(engine: Engine) -> None:
+    """Three chats on one system prompt: the first is `cold` (nothing predicted, nothing reused),
+    the repeats `exact`. The last two are streamed, one asking for `include_usage` and one not
+    (the gateway asks on its behalf and strips the usage again): a streamed answer's receipt
+    comes from its last chunk."""
     for url in engine.urls:
         reset_prefix_cache(url)
     exporter = InMemorySpanExporter()
     tracing = Tracing(None, exporter=exporter, environ={})
     system = doc("receipt-system", 300)
     config = engine.fleet.gateway_config(mode="tokens", events=True)
+    streamed = [{}, {"stream": True, "stream_options": {"include_usage": True}}, {"stream": True}]
+    answers = []
     try:
         with access_lines() as lines:
             async with gateway(config, tracing=tracing) as (gw, _), \
                     httpx.AsyncClient(timeout=120) as http:
                 await settle(gw.url, len(engine.urls))
-                for i in range(3):
+                for i, fields in enumerate(streamed):
                     msgs = [{"role": "system", "content": system},
                             {"role": "user", "content": f"question {i}"}]
-                    assert (await through(http, gw.url, chat(msgs))).status_code == 200
+                    res = await through(http, gw.url, chat(msgs, **fields))
+                    assert res.status_code == 200
+                    answers.append(res.text)
                 text = (await http.get(gw.url + "/metrics")).text
                 await poll_until(lambda: len(lines) == 3, 10)
     finally:
         tracing.shutdown()
-    repeats = lines[1:]
+    first, repeats = lines[0], lines[1:]
+    assert first["predicted_cached_tokens"] == first["cached_tokens"] == 0, first
     assert all(line["predicted_cached_tokens"] == line["cached_tokens"] > 0 for line in repeats), [
         {k: line.get(k) for k in ("replica", "reason", "predicted_cached_tokens", "cached_tokens")}
         for line in lines
     ]
-    assert 'gateway_route_receipts_total{pool="chat",verdict="exact"} 3.0' in text
+    assert [line["stream"] for line in lines] == [False, True, True]
+    events = [e.removeprefix("data: ") for e in answers[1].strip().split("\n\n")]
+    assert events[-1] == "[DONE]"
+    usage = orjson.loads(events[-2])["usage"]  # asked for: the engine's usage reaches the client
+    assert usage["prompt_tokens_details"]["cached_tokens"] == repeats[0]["cached_tokens"]
+    unasked = [orjson.loads(e.removeprefix("data: ")) for e in answers[2].strip().split("\n\n")[:-1]]
+    assert not any(e.get("usage") for e in unasked)  # not asked for: the gateway's own, stripped
+    assert 'gateway_route_receipts_total{pool="chat",verdict="cold"} 1.0' in text
+    assert 'gateway_route_receipts_total{pool="chat",verdict="exact"} 2.0' in text
     assert 'gateway_route_receipt_error_tokens_bucket{le="0.0",pool="chat"} 3.0' in text
     routes = [s for s in exporter.get_finished_spans() if s.name == "gateway.route"]
     assert len(routes) == 3
@@ -217,6 +234,48 @@ async def test_the_receipt_reaches_metrics_trace_and_log(engine: Engine) -> None
     assert last["gateway.route.predicted_cached_tokens"] == repeats[-1]["cached_tokens"]
     assert last["gateway.route.cached_tokens"] == repeats[-1]["cached_tokens"]
     assert last["gateway.route.receipt"] == "exact"
+
+
+async def test_a_saturated_engine_is_busy_not_dead(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """r0 saturated by 48 long streams sent to it directly; through the gateway, requests to it
+    whose first byte comes later than `timeouts.first_byte_s` (10 ms: a saturated engine's
+    queue) time out. Its health probes still answer: it is busy, not dead. The timeouts are
+    counted as busy and its circuit never opens (before: two in a row opened it)."""
+    config = engine.fleet.gateway_config(
+        mode="bytes", replicas=[0], pool={"timeouts": {"first_byte_s": 0.01, "total_s": 30},
+                                          "retries": 0},
+    )  # fmt: skip
+    stop = asyncio.Event()
+
+    async def saturate(http: httpx.AsyncClient) -> None:
+        body = chat([{"role": "user", "content": "tell a long story " * 20}], max_tokens=256,
+                    ignore_eos=True, stream=True)  # fmt: skip
+        while not stop.is_set():
+            async with http.stream("POST", engine.urls[0] + "/v1/chat/completions", json=body) as r:
+                async for _ in r.aiter_bytes():
+                    if stop.is_set():
+                        break
+
+    async with httpx.AsyncClient(timeout=120) as direct:
+        load = [asyncio.ensure_future(saturate(direct)) for _ in range(48)]
+        try:
+            async with gateway(config) as (gw, _), httpx.AsyncClient(timeout=60) as http:
+                await asyncio.sleep(2)  # the streams are running
+                statuses = []
+                for _ in range(6):
+                    res = await through(http, gw.url, chat(HELLO, stream=True))
+                    statuses.append(res.status_code)
+                text = (await http.get(gw.url + "/metrics")).text
+        finally:
+            stop.set()
+            await asyncio.gather(*load, return_exceptions=True)
+    assert 504 in statuses, statuses  # the saturated engine was late
+    assert 'gateway_replica_up{pool="chat",replica="r0"} 1.0' in text
+    busy = [line for line in text.splitlines() if line.startswith("gateway_replica_busy_timeouts_total")]
+    assert busy and float(busy[0].rsplit(" ", 1)[1]) >= statuses.count(504), busy
+    assert not [r for r in caplog.records if "circuit opened" in r.getMessage()]
 
 
 # --- the precise index from KV events ------------------------------------------------------------
