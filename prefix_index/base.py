@@ -52,6 +52,12 @@ class PrefixIndex(Protocol):
         capacity applies)."""
         return None
 
+    def set_max_blocks(self, blocks: int) -> None:
+        """Bound the whole index at `blocks` entries from now on, in place of the `max_blocks`
+        it was opened with (the least recently recorded scopes go first, as for that).
+        Default: ignored (the backend keeps its own bound)."""
+        return None
+
     def set_precise(self, replica: str, precise: bool = True) -> None:
         """Mark a replica whose engine reports its blocks (see EngineEventSink). Default:
         ignored (the backend takes no engine reports)."""
