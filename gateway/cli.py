@@ -106,6 +106,7 @@ def server_options(config: Config) -> dict[str, Any]:
         port=config.server.port,
         loop="uvloop",
         http=GuardedHttpToolsProtocol,
+        ws="none",  # an Upgrade: websocket request is plain HTTP here: its answer OpenAI-shaped
         lifespan="on",
         log_config=None,
         access_log=False,

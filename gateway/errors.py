@@ -8,6 +8,7 @@
     ├── MethodNotAllowed              405 invalid_request_error   method_not_allowed
     ├── RequestTimeout                408 invalid_request_error   request_timeout
     ├── PayloadTooLarge               413 invalid_request_error   request_too_large
+    ├── HeadersTooLarge               431 invalid_request_error   request_header_fields_too_large
     ├── ConfigRejected                422 invalid_request_error   invalid_config (admin reload)
     ├── RateLimited                   429 rate_limit_error        rate_limit_exceeded (Retry-After)
     │   └── RequestExceedsLimit       429 rate_limit_error        request_exceeds_limit (none)
@@ -59,6 +60,7 @@ _CODE_OF_STATUS = {
     409: "conflict",
     413: "request_too_large",
     422: "unprocessable_entity",
+    431: "request_header_fields_too_large",
     429: "rate_limit_exceeded",
     500: "internal_error",
     501: "not_implemented",
@@ -150,6 +152,14 @@ class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class HeadersTooLarge(GatewayError):
+    """The request line and headers passed the server's caps (gateway/http/protocol.py)."""
+
+    status = 431
+    type = "invalid_request_error"
+    code = "request_header_fields_too_large"
 
 
 class ConfigRejected(GatewayError):

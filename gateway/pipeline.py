@@ -90,7 +90,8 @@ class Pipeline:
         self, snap: Snapshot, tenant: Tenant, req: ParsedRequest, tokens: int,
         generating: Pool | None = None,
     ) -> tuple[list[tuple[Rule, int]], Headers]:  # fmt: skip
-        """Charge the tenant's buckets (requests, prompt estimate + max_tokens); 429 when empty.
+        """Charge the tenant's buckets (requests; prompt estimate + max_tokens for each choice,
+        `n` or `best_of` per prompt); 429 when short.
 
         A request of a kind that generates (`generating`: its pool) and sets no max_tokens is
         charged a bound on its answer (`Pool.answer_bound`). A request that can never fit a
@@ -104,12 +105,15 @@ class Pipeline:
         unset = 0
         if generating is not None and req.max_tokens is None:
             unset = generating.answer_bound(tokens)
-        costs = costs_for(rules, tokens, req.max_tokens, unset)
+        costs = costs_for(rules, tokens, req.max_tokens, unset, req.choices)
         verdict = await limiter.acquire(tenant.name, rules, costs)
         if not verdict.allowed:
             for name in verdict.blocked:
                 self.gw.metrics.limited.labels(tenant.name, name).inc()
-            raise rate_limited(verdict, tenant.name, prompt_tokens=tokens, max_tokens=req.max_tokens)
+            raise rate_limited(
+                verdict, tenant.name, prompt_tokens=tokens, max_tokens=req.max_tokens,
+                choices=req.choices,
+            )  # fmt: skip
         charged = [  # a degraded verdict (backend down) took nothing
             (r, 0 if verdict.degraded else int(c))
             for r, c in zip(rules, costs, strict=True)

@@ -42,7 +42,7 @@ class ScopeAccounts:
         self._link = link
         self.namespace = namespace
         self._ttl_ms = ttl_ms
-        self._max_blocks = max_blocks
+        self.max_blocks = max_blocks
         self._forget_batch = forget_batch
         # Entries this gateway's writes added per scope (sid -> [delta, last record ms or 0]),
         # not yet sent to the namespace's scope accounts.
@@ -99,7 +99,7 @@ class ScopeAccounts:
             idle
             or now >= self._next_upkeep
             or len(self._carry) >= _UPKEEP_SCOPES
-            or self._carry_entries * 16 >= self._max_blocks
+            or self._carry_entries * 16 >= self.max_blocks
         )
 
     async def upkeep(self, now: int) -> None:
@@ -119,7 +119,7 @@ class ScopeAccounts:
                     raise
                 if emptied:  # evictions or a forget emptied them: their keys go too
                     load = await self._drop_scopes([(sid, 0) for sid in emptied], evicted=False)
-                if load > self._max_blocks:
+                if load > self.max_blocks:
                     await self._trim(load)
             if self._ttl_ms and now >= self._next_sweep:
                 self._next_sweep = now + _SWEEP_MS
@@ -150,7 +150,7 @@ class ScopeAccounts:
         ns = self.namespace
         oldest = ("EVALSHA", SHA["oldest"], 2, scopes_key(ns), sizes_key(ns), _TRIM_SCOPES)
         for _ in range(_TRIM_ROUNDS):
-            over = load - self._max_blocks
+            over = load - self.max_blocks
             if over <= 0 or self._link.closed:
                 return
             flat = (await self._link.execute([oldest]))[0]

@@ -135,6 +135,14 @@ class BoundedScopes:
         st.used = now
         return st
 
+    def set_max_blocks(self, blocks: int) -> None:
+        """The bound over all scopes from now on; an index over it sheds at once."""
+        if blocks <= SCOPE_COST_BLOCKS:
+            raise ValueError(f"max_blocks must be > {SCOPE_COST_BLOCKS}, got {blocks}")
+        self._max_blocks = blocks
+        if self._entries + SCOPE_COST_BLOCKS * len(self._scopes) > blocks:
+            self._enforce_bound()
+
     def _settle(self, scope: str, st: Scope) -> None:
         """After a write: drop the scope if it ended empty, then enforce the global bound."""
         self._drop_if_empty(scope, st)

@@ -40,6 +40,16 @@ class LocalEntries(EngineEventSink):
     async def evict_engine(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         self._engine.evict_engine_now(scope, replica, hashes)
 
+    async def forget_engine(self, replica: str) -> None:
+        """Drop what the replica's engine reported (kept in this process); the routed records,
+        in Redis and in the local view, stay."""
+        self._engine.forget_engine_now(replica)
+
+    @property
+    def precise_replicas(self) -> frozenset[str]:
+        """The replicas marked with `set_precise`: the index takes their engines' word."""
+        return frozenset(self._precise)
+
     async def record_tier(self, scope: str, replica: str, tier: str, hashes: Sequence[int]) -> None:
         """The engine reported blocks stored on a lower tier (cpu, disk, shared)."""
         self._engine.tiers.record(scope, replica, tier, hashes)

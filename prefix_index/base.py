@@ -52,6 +52,12 @@ class PrefixIndex(Protocol):
         capacity applies)."""
         return None
 
+    def set_max_blocks(self, blocks: int) -> None:
+        """Bound the whole index at `blocks` entries from now on, in place of the `max_blocks`
+        it was opened with (the least recently recorded scopes go first, as for that).
+        Default: ignored (the backend keeps its own bound)."""
+        return None
+
     def set_precise(self, replica: str, precise: bool = True) -> None:
         """Mark a replica whose engine reports its blocks (see EngineEventSink). Default:
         ignored (the backend takes no engine reports)."""
@@ -82,7 +88,8 @@ class EngineEventSink(Protocol):
     `match` answers, per replica, the longer of the two runs. `record_engine`'s hashes need
     not start at block 0 (an event continues a chain). `set_precise(replica)` turns the
     replica's routed entries into short-lived guesses (`routed_ttl_s`) that bridge the time
-    until the engine's own report arrives. `forget` clears both kinds.
+    until the engine's own report arrives. `forget` clears both kinds, `forget_engine` the
+    engine's only.
     """
 
     async def record_engine(self, scope: str, replica: str, hashes: Sequence[int]) -> None: ...
@@ -90,6 +97,11 @@ class EngineEventSink(Protocol):
     async def evict_engine(self, scope: str, replica: str, hashes: Sequence[int]) -> None: ...
 
     async def forget(self, replica: str) -> None: ...
+
+    async def forget_engine(self, replica: str) -> None:
+        """Drop what the replica's engine reported (its events stopped: nothing would evict
+        those entries any more); what routing taught stays."""
+        ...
 
     def set_precise(self, replica: str, precise: bool = True) -> None: ...
 

@@ -138,6 +138,9 @@ class MemoryIndex(BoundedScopes, PrefixIndex, EngineEventSink):
     async def record_engine(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         self.record_engine_now(scope, replica, hashes)
 
+    async def forget_engine(self, replica: str) -> None:
+        self.forget_engine_now(replica)
+
     async def evict_engine(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         self.evict_engine_now(scope, replica, hashes)
 
@@ -288,6 +291,27 @@ class MemoryIndex(BoundedScopes, PrefixIndex, EngineEventSink):
         self._names[slot] = ""
         self._free.append(slot)
         self._drop_empty_scopes()
+
+    def forget_engine_now(self, replica: str) -> None:
+        """Drop what the replica's engine reported, in every scope and tier; its routed entries
+        stay (its KV events stopped, so nothing would evict the engine's entries any more)."""
+        self.tiers.forget(replica)
+        slot = self._slots.get(replica)
+        if slot is None:
+            return
+        bit = 1 << slot
+        for st in self._scopes.values():
+            held = st.eheld.pop(replica, None)
+            if held:
+                self._grow(st, -len(held))
+                for h in held:
+                    clear_bit(st.etable, h, bit)
+        self._drop_empty_scopes()
+
+    @property
+    def precise_replicas(self) -> frozenset[str]:
+        """The replicas marked with `set_precise`: the index takes their engines' word."""
+        return frozenset(self._precise)
 
     def record_engine_now(self, scope: str, replica: str, hashes: Sequence[int]) -> None:
         """The engine reported these blocks stored (any part of a chain, in any order)."""

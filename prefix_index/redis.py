@@ -285,6 +285,12 @@ class RedisIndex(LocalEntries, PrefixIndex):
         if self._local is not None:
             self._local.set_capacity(replica, blocks)
 
+    def set_max_blocks(self, blocks: int) -> None:
+        """The namespace's bound from now on (trimmed to at this process's next upkeep), and
+        the local index's."""
+        self._engine.set_max_blocks(blocks)
+        self._accounts.max_blocks = blocks
+
     async def stats(self) -> IndexStats:
         """Entries per replica across all gateways of the namespace (three round trips); the
         scope count and `bound_evicted` come from the namespace's scope accounts."""

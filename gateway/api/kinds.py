@@ -79,10 +79,9 @@ def chat_prompt(req: ParsedRequest, chunker: Chunker) -> tuple[HashSource, int]:
 
 
 def completion_prompt(req: ParsedRequest, chunker: Chunker) -> tuple[HashSource, int]:
-    prompt = req.prompt
-    if isinstance(prompt, list) and isinstance(prompt[0], list | str):
-        prompt = prompt[0]  # a batch is routed (and estimated) by its first prompt
-    return prompt, chunker.estimate_tokens(prompt) if isinstance(prompt, str) else len(prompt)
+    """The prompt, or a batch's first (what is hashed); the estimate counts every prompt of a
+    batch: each is prefilled, and each is charged to the tenant's token limits."""
+    return _text_prompt(req.prompt, chunker)
 
 
 def input_prompt(req: ParsedRequest, chunker: Chunker) -> tuple[HashSource, int]:

@@ -19,6 +19,7 @@ Kind = str  # an endpoint kind's name (gateway.kinds.KINDS): "chat", "completion
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_TOKENS_CAP = 10_000_000
+MAX_CHOICES = 128  # `n` and `best_of`
 MAX_TOKEN_ID = 2**31 - 1  # token ids are hashed as 32-bit integers; no vocabulary comes close
 MAX_DEPTH = 64  # nesting of arrays and objects; the gateway re-encodes bodies (orjson stops at 255)
 _NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
@@ -34,6 +35,7 @@ class ParsedRequest:
     include_usage: bool = False  # the client asked for a final usage chunk itself
     max_tokens: int | None = None
     user: str | None = None
+    choices: int = 1  # answers generated, each up to max_tokens: n (or best_of) per prompt
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -230,5 +232,9 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
     mct = optional_int(body, "max_completion_tokens", 1, MAX_TOKENS_CAP)
     if mct is not None:
         max_tokens = mct
-    optional_int(body, "n", 1, 128)
-    return ParsedRequest(kind, raw, body, model, stream, include_usage, max_tokens, common_fields(body))
+    n = optional_int(body, "n", 1, MAX_CHOICES) or 1
+    best_of = optional_int(body, "best_of", 1, MAX_CHOICES) or 1  # generated, n of them returned
+    prompts = body.get("prompt")
+    batch = len(prompts) if isinstance(prompts, list) and isinstance(prompts[0], str | list) else 1
+    return ParsedRequest(kind, raw, body, model, stream, include_usage, max_tokens,
+                         common_fields(body), max(n, best_of) * batch)  # fmt: skip

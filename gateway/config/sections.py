@@ -22,7 +22,8 @@ Each set takes `replicas` or `discovery` (the same `discovery:` an aggregated po
 kubernetes, static; `bootstrap_port` at the set level then applies to every discovered replica)
 and, optionally, its own `max_inflight_per_replica`, `health`, `timeouts` and `retries` (else the
 pool's). `role_config(…)` turns a set into the plain pool config its replicas are built, probed,
-timed and discovered with (docs/pd.md).
+timed and discovered with (docs/pd.md). A set written as a list, `prefill: [url, ...]`, is
+`prefill: {replicas: [url, ...]}`.
 """
 
 from __future__ import annotations
@@ -463,6 +464,8 @@ class PdSetConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _a_set(cls, v: Any) -> Any:
+        if isinstance(v, list):  # `prefill: [url, ...]`: its replicas, as a pool's `replicas`
+            return {"replicas": v}
         if isinstance(v, dict) and "replicas" not in v and "discovery" not in v:
             raise ValueError(
                 "expected a replica set: a mapping with `replicas` (a list of replica URLs) "

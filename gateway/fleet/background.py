@@ -25,6 +25,11 @@ from gateway.upstream.control import ControlClient, model_cards
 
 log = logging.getLogger("gateway")
 
+# the index holds at most this many entries per KV block its replicas have together (a
+# replica's blocks are shared by all its scopes; an engine-reported entry and the routed guess
+# of the same block count twice), and no more than index.max_blocks
+ENTRIES_PER_KV_BLOCK = 2
+MIN_INDEX_BOUND = 1_000
 Endpoints = list[tuple[str, str]]  # (name, url) of every ready replica of a pool
 Source = tuple[str, str | None]  # what a watcher discovers: (pool, None) or (pool, P/D role)
 
@@ -56,6 +61,7 @@ class Background:
         self._tasks: set[asyncio.Task[Any]] = set()  # subscriptions, drains, closes
         self._parity: asyncio.Task[None] | None = None
         self._index: object = None  # the index the replicas were last sized in
+        self._bound_set = 0  # the bound last given that index (ENTRIES_PER_KV_BLOCK)
 
     def start(self, snap: Snapshot) -> None:
         if snap.config.index.events.enabled:
@@ -99,6 +105,8 @@ class Background:
         """Monitors for every live replica; a replica's index capacity set when it appears, and
         every replica's again when the snapshot brings a new index (a reload that changed it)."""
         fresh_index, self._index = snap.index is not self._index, snap.index
+        if fresh_index:
+            self._bound_set = 0
         for pool in (part for p in snap.pools.values() for part in p.parts()):
             for r in pool.replicas:
                 known = id(r) in self._monitors
@@ -115,16 +123,33 @@ class Background:
                 self._monitors[id(r)] = m
                 if self.kv_events is not None and r.kv_events:
                     self.spawn(self._subscribe(r))
+        self._bound(snap)
 
     def _size(self, snap: Snapshot, r: ReplicaState) -> None:
         """A replica's bound in the index: its configured `capacity_blocks`, else the KV its
         engine reports (`cache_config_info`, in index blocks), else the index's default."""
         if snap.index is None:
             return
-        if r.capacity_blocks:
-            snap.index.set_capacity(r.name, r.capacity_blocks)
-        elif r.engine_kv is not None:
-            snap.index.set_capacity(r.name, max(1, int(r.engine_kv[1] / snap.chunker.tokens_per_block)))
+        if r.capacity_blocks or r.engine_kv is not None:
+            snap.index.set_capacity(r.name, capacity(snap, r))
+
+    def _bound(self, snap: Snapshot) -> None:
+        """The whole index's bound: `index.max_blocks`, and no more than ENTRIES_PER_KV_BLOCK
+        entries per KV block of all the replicas together. Scopes are the clients' choice (a
+        `cache_salt` per request), but an engine's KV is shared by all its scopes: more entries
+        than that cannot all be true, and would only cost memory."""
+        if snap.index is None:
+            return
+        kv = sum(
+            capacity(snap, r)
+            for p in snap.pools.values()
+            for part in p.parts()
+            for r in part.replicas
+        )
+        bound = min(snap.config.index.max_blocks, max(MIN_INDEX_BOUND, ENTRIES_PER_KV_BLOCK * kv))
+        if bound != self._bound_set:
+            self._bound_set = bound
+            snap.index.set_max_blocks(bound)
 
     def _lost(self, r: ReplicaState, why: str) -> None:
         """The replica's prefix cache is gone: the index forgets it (in the background)."""
@@ -140,6 +165,7 @@ class Background:
         block_size, tokens = r.engine_kv
         snap = self._current()
         self._size(snap, r)
+        self._bound(snap)
         chunker = snap.chunker
         log.info("replica %s: the engine holds %d tokens of KV in %d-token blocks", r.name, tokens, block_size)
         if chunker.mode == "tokens" and block_size != int(chunker.tokens_per_block):
@@ -255,6 +281,16 @@ class Background:
             return sorted(r.models)[0]
         cards = await model_cards(self.session, r.url, timeout_s=5.0)
         return str(cards[0]["id"]) if cards else None
+
+
+def capacity(snap: Snapshot, r: ReplicaState) -> int:
+    """A replica's KV in index blocks: its configured `capacity_blocks`, else what its engine
+    reports, else `index.capacity_blocks`."""
+    if r.capacity_blocks:
+        return r.capacity_blocks
+    if r.engine_kv is not None:
+        return max(1, int(r.engine_kv[1] / snap.chunker.tokens_per_block))
+    return snap.config.index.capacity_blocks
 
 
 def _discovered(snap: Snapshot) -> Iterator[tuple[Source, DiscoveryConfig]]:

@@ -3,6 +3,13 @@
 One subscriber per replica with `kv_events` set: it tracks sequence numbers, fills gaps from the
 replica's replay socket, and forgets the replica when the engine restarts or a gap cannot be
 filled. `check_parity` compares the gateway's token ids with the engine's (`/tokenize`).
+
+While a subscriber is not caught up (its catch-up replay timed out, or it died), the index
+holds the replica's blocks as stale: it leaves precise mode, so routing learns from its own
+decisions as for a replica without KV events (routed entries live `index.ttl_s`, not
+`routed_ttl_s`), and a dead subscriber's engine-reported entries are dropped (no eviction would
+reach them). The replay is asked again every REPLAY_RETRY_S, a dead subscriber starts again
+after RESTART_S (doubling up to RESTART_MAX_S); caught up, the replica is precise again.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ log = logging.getLogger("gateway.kv_subscriber")
 
 POLL_MS = 250
 REPLAY_TIMEOUT_MS = 2000
+REPLAY_RETRY_S = 10.0  # a catch-up replay that timed out is asked again this often
+RESTART_S = 1.0  # a subscriber that died starts again after this, doubling up to RESTART_MAX_S
+RESTART_MAX_S = 30.0
 _END = (1 << 64) - 1  # the replay stream's end marker: seq -1 as 8 unsigned bytes
 PARITY_PROBE = (
     "The quick brown fox jumps over the lazy dog. Prefix caching saves prefill: "
@@ -49,7 +59,10 @@ class SubscriberStats:
     duplicates: int = 0  # batches the replay had given already (live ones that overlapped it)
     last_seq: int | None = None
     connected: bool = False
-    caught_up: bool = False  # the start-up replay is done: the index holds what the engine said
+    # live, and the catch-up replay is done: the index holds what the engine said (else the
+    # replica's blocks are stale: see the module's docstring)
+    caught_up: bool = False
+    deaths: int = 0  # the subscriber failed and was started again
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -78,8 +91,34 @@ class KvEventSubscriber:
                 await self._task
 
     async def _run(self) -> None:
+        """Subscribe until stopped; a subscriber that fails (never taking the gateway down)
+        leaves the replica's blocks stale and starts again after a pause."""
+        loop = asyncio.get_running_loop()
+        pause = RESTART_S
+        while True:
+            began = loop.time()
+            try:
+                await self._subscribe()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.stats.deaths += 1
+                log.exception(
+                    "replica %s: KV event subscriber stopped; its blocks are stale (routing "
+                    "learns from its own decisions) until it starts again in %.0f s",
+                    self.replica,
+                    pause,
+                )
+            await self._stale(dead=True)
+            if loop.time() - began > RESTART_MAX_S:
+                pause = RESTART_S  # it ran a good while: this is a new failure, not a loop
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RESTART_MAX_S)
+
+    async def _subscribe(self) -> None:
         import zmq
 
+        loop = asyncio.get_running_loop()
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
@@ -87,23 +126,59 @@ class KvEventSubscriber:
         self.stats.connected = True
         try:
             # a new subscriber misses what was published before it joined: catch up from the start
-            if self.replay_url is not None:
-                await self._replay(0, None)
-                # batches published while the replay ran also sit in the SUB socket: seen ones
-                self._replayed_to = self.stats.last_seq
-            self.stats.caught_up = True
+            retry_at = await self._catch_up(loop.time())
             while True:
+                if retry_at is not None and loop.time() >= retry_at:
+                    retry_at = await self._catch_up(loop.time())
                 if not await sub.poll(POLL_MS):  # poll, then a non-blocking receive: no lost frames
                     continue
                 frames = await sub.recv_multipart(zmq.NOBLOCK)
                 await self._handle(frames)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # never take the gateway down; routing falls back to routed learning
-            log.exception("replica %s: KV event subscriber stopped", self.replica)
         finally:
-            self.stats.connected = False
+            self.stats.connected = self.stats.caught_up = False
             sub.close(0)
+
+    async def _catch_up(self, now: float) -> float | None:
+        """Replay what the engine published from the start; None when caught up, else when to
+        ask again (the replay timed out: the replica's blocks are stale meanwhile)."""
+        if self.replay_url is None:
+            self._fresh()
+            return None
+        if self.stats.last_seq is not None:  # a retry: the replay gives every block again
+            await self._reset_engine()
+        done = await self._replay(0, None)
+        # batches published while the replay ran also sit in the SUB socket: seen ones
+        self._replayed_to = self.stats.last_seq
+        if done:
+            self._fresh()
+            return None
+        log.warning(
+            "replica %s: the KV event replay at %s did not answer within %d ms; its blocks are "
+            "stale (routing learns from its own decisions) until a replay answers (next in %.0f s)",
+            self.replica, self.replay_url, REPLAY_TIMEOUT_MS, REPLAY_RETRY_S,
+        )  # fmt: skip
+        await self._stale(dead=False)
+        return now + REPLAY_RETRY_S
+
+    def _fresh(self) -> None:
+        """Caught up: the index takes the engine's word for the replica again."""
+        self.stats.caught_up = True
+        self.applier.index.set_precise(self.replica, True)
+
+    async def _stale(self, dead: bool) -> None:
+        """Not caught up: the replica is routed as one without KV events; a dead stream's
+        engine-reported entries go (nothing would evict them), a live one's stay current."""
+        self.stats.caught_up = False
+        self.applier.index.set_precise(self.replica, False)
+        if dead:
+            await self._reset_engine()
+
+    async def _reset_engine(self) -> None:
+        """Forget what the engine reported (and the sequence), keep what routing taught."""
+        self.stats.last_seq = None
+        self.applier.blocks.clear()
+        self.applier.tier_blocks.clear()
+        await self.applier.index.forget_engine(self.replica)
 
     async def _handle(self, frames: list[bytes]) -> None:
         if len(frames) < 2:

@@ -329,6 +329,10 @@ def create_app(
             return _error(NotFound(f"Unknown path {request.url.path}", code="unknown_url"))
         return _error(GatewayError(str(exc.detail)))
 
+    async def server_error(request: Request, exc: Exception) -> Response:
+        """A route failed: the OpenAI-shaped 500 (Starlette then raises it on, to be logged)."""
+        return _error(GatewayError("Internal gateway error"))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gateway.start()
@@ -362,7 +366,7 @@ def create_app(
             Route(RESPONSE_IDS + "{response_id}", health, methods=["GET", "DELETE"]),
             Route(RESPONSE_IDS + "{response_id}/cancel", health, methods=["POST"]),
         ],
-        exception_handlers={HTTPException: http_error},
+        exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
     )
     rest.router.redirect_slashes = False  # a redirect would echo the client's Host header

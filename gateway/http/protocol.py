@@ -12,7 +12,14 @@ keep-alive timeout, a refusal, the end of a `Connection: close` answer, an idle 
 shutdown) is a lingering close, FIN first and whatever the client still sends read and dropped
 until it closes too (at most `LINGER_S`), so the client reads a clean end, never a reset that
 can also destroy the answer it was reading; and the idle timeout never closes a connection whose
-next request already waits in the socket (a loop that stalled past the deadline serves it)."""
+next request already waits in the socket (a loop that stalled past the deadline serves it).
+
+What the server layer answers itself, before (or instead of) the app, is an OpenAI-shaped JSON
+error like every other answer (gateway/errors.py): 400 `invalid_http_request` for what the HTTP
+parser refuses (a bad request line, header or chunked encoding), 408 for headers not in within
+HEADER_TIMEOUT_S, 431 past the header caps, 500 when the app failed before answering, 503 past
+uvicorn's `limit_concurrency` (unset by `gateway serve`); each refusal ends with that lingering
+close, so a client still sending (a 200 KB header) reads the answer."""
 
 from __future__ import annotations
 
@@ -22,13 +29,23 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     HttpToolsProtocol,
     RequestResponseCycle,
 )
 
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    HeadersTooLarge,
+    RequestTimeout,
+    ServerBusy,
+    error_body,
+)
 from gateway.http import delays
+from gateway.types import Receive, Scope, Send
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 256
@@ -36,10 +53,39 @@ HEADER_TIMEOUT_S = 10.0
 DEADLINE_TICK_S = 0.25  # the header and keep-alive deadlines fire up to this much late
 LINGER_S = 2.0  # a closing connection reads and drops the client's bytes this long at most
 
-_REFUSALS = {
-    408: b"HTTP/1.1 408 Request Timeout\r\n",
-    431: b"HTTP/1.1 431 Request Header Fields Too Large\r\n",
-}
+
+def error_head(exc: GatewayError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The whole answer for `exc` on a connection about to close: status line, the server's
+    default headers, JSON framed by its length."""
+    body = error_body(exc)
+    parts = [STATUS_LINE[exc.status]]
+    for name, value in (*default_headers, (b"content-type", b"application/json"),
+                        (b"content-length", b"%d" % len(body)), (b"connection", b"close")):  # fmt: skip
+        parts += (name, b": ", value, b"\r\n")
+    parts += (b"\r\n", body)
+    return b"".join(parts)
+
+
+class _Cycle(RequestResponseCycle):
+    """uvicorn's request cycle whose own 500 (the app failed, or returned without answering)
+    is an OpenAI-shaped error."""
+
+    async def send_500_response(self) -> None:
+        await _send_error(GatewayError("Internal gateway error"), self.send)  # type: ignore[arg-type]
+
+
+async def _send_error(exc: GatewayError, send: Send) -> None:
+    body = error_body(exc)
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+               (b"connection", b"close"), *((k.encode(), v.encode()) for k, v in exc.headers().items())]  # fmt: skip
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _over_concurrency(scope: Scope, receive: Receive, send: Send) -> None:
+    """What answers past uvicorn's `limit_concurrency` instead of its plain-text 503."""
+    await _send_error(ServerBusy("The server is at its connection limit; retry shortly",
+                                 code="limit_concurrency", retry_after=1), send)  # fmt: skip
 
 
 class BodyWriter:
@@ -207,7 +253,7 @@ def body_buffered(receive: object) -> bool:
     arming for it. False under another server, or while the body is still on its way."""
     cycle = getattr(receive, "__self__", None)
     return (
-        type(cycle) is RequestResponseCycle
+        isinstance(cycle, RequestResponseCycle)
         and cycle.more_body is False
         and cycle.message_event.is_set()
     )
@@ -317,6 +363,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.cycle.keep_alive = False
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        cycle.__class__ = _Cycle  # the same cycle, with an OpenAI-shaped 500 of its own
+        if app is service_unavailable:
+            app = _over_concurrency
         # the task copies the context as it is created: its request's writer is in it
         token = _WRITER.set(BodyWriter(cycle))
         try:
@@ -354,7 +403,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes += size
         self._header_count += headers
         if self._header_bytes > MAX_HEADER_BYTES or self._header_count > MAX_HEADERS:
-            self._refuse(431, "Request headers too large")
+            self._refuse(
+                HeadersTooLarge(
+                    f"The request line and headers pass the server's limits ({MAX_HEADERS} "
+                    f"headers, {MAX_HEADER_BYTES} bytes in all)"
+                )
+            )
 
     def _arm(self) -> None:
         self._header_deadline.arm(self, self._on_slow)
@@ -367,18 +421,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if input_waiting(self.transport):  # the loop stalled: the bytes are there, unread
                 self._arm()
                 return
-            self._refuse(408, "Request headers not received in time")
+            self._refuse(
+                RequestTimeout(f"The request headers did not arrive within {HEADER_TIMEOUT_S:g} s")
+            )
 
-    def _refuse(self, status: int, message: str) -> None:
+    def send_400_response(self, msg: str) -> None:
+        """What the HTTP parser refused (uvicorn calls this with its own words)."""
+        self._refuse(
+            BadRequest(
+                "Invalid HTTP request: the request line, a header or the chunked body encoding "
+                "could not be parsed",
+                code="invalid_http_request",
+            )
+        )
+
+    def _refuse(self, exc: GatewayError) -> None:
+        """Answer `exc` and end the connection with a lingering close (`close_softly`)."""
         if self._refused or self.transport.is_closing():
             return
         self._refused = True
-        body = message.encode()
-        self.transport.write(
-            _REFUSALS[status]
-            + b"content-type: text/plain; charset=utf-8\r\ncontent-length: "
-            + str(len(body)).encode()
-            + b"\r\nconnection: close\r\n\r\n"
-            + body
-        )
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:  # its app hears the client left
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if cycle.response_started:  # half an answer went out: no other can follow
+                self.close_softly()
+                return
+        self.transport.write(error_head(exc, self.server_state.default_headers))
         self.close_softly()

@@ -260,6 +260,7 @@ class _IndexCollector(Collector):
         ("gaps", "gateway_kv_events_gaps", "Sequence gaps seen (lost batches)."),
         ("replays", "gateway_kv_events_replays", "Replays asked of the replica's replay socket."),
         ("forgets", "gateway_kv_events_forgets", "Times the replica's blocks were forgotten (restart, unfillable gap, cleared)."),
+        ("deaths", "gateway_kv_events_deaths", "Times the replica's subscriber failed and was started again."),
     )  # fmt: skip
 
     def __init__(self, state: Callable[[], tuple[Any, Any, dict[str, int]]]) -> None:
@@ -313,7 +314,7 @@ class _IndexCollector(Collector):
             yield fam
         caught_up = GaugeMetricFamily(
             "gateway_kv_events_caught_up",
-            "1 once the replica's start-up replay is applied (before: its newest events, a cleared cache say, may not be in the index yet).",
+            "1 while the replica's subscriber is live and its catch-up replay is applied; 0 before, when the replay timed out or the subscriber died: its blocks are stale (it is routed as a replica without KV events).",
             labels=["replica"],
         )
         for sub in subs:

@@ -4,9 +4,10 @@ and answered as that replica answers.
 
 The same key, limits (one request, no tokens) and request log as every proxied path; no admission
 queue (they load no engine) and no failover (no other replica holds the response). An id no
-gateway knows, or whose replica left the pool: an OpenAI-shaped 404 `response_not_found`. A
-DELETE the replica answered 200, or any 404 of the replica (it no longer holds it), forgets the
-id. Bodies go on as they came; the query string does not, as with `passthrough:` paths.
+gateway knows, or whose replica left the pool: an OpenAI-shaped 404 `response_not_found`; a 404
+of the home replica (it no longer holds it) is answered with that same body, so one situation
+reads the same through every gateway. A DELETE the replica answered 200, or any 404 of the
+replica, forgets the id. Bodies go on as they came; the query string does not, as with `passthrough:` paths.
 """
 
 from __future__ import annotations
@@ -70,11 +71,7 @@ async def by_id(
     rec.charged, extra = await pipeline.limit(snap, tenant, req, 0)  # every lookup counts
     found = await pipeline.homes.locate(rid, snap.pools)
     if found is None:
-        raise NotFound(
-            f"Response with id '{rid[:64]}' not found: no gateway of this fleet knows which "
-            "replica made it (unknown, expired, deleted, or its replica left the pool).",
-            param="response_id", code="response_not_found",
-        )  # fmt: skip
+        raise not_found(rid)
     pool, replica = found
     rec.pool = pool.name
     extra.append((b"x-request-id", rec.request_id.encode("latin-1")))
@@ -104,11 +101,15 @@ async def by_id(
     fwd.t_first = time.perf_counter_ns()
     fwd.replica, fwd.status = replica.name, opened.status
     fwd.attempts.append((replica.name, replica.url, fwd.t_sent, 0, opened.status, None))
+    gone = opened.status == 404
     try:
-        if (opened.status == 200 and kind.method == b"DELETE") or opened.status == 404:
+        if (opened.status == 200 and kind.method == b"DELETE") or gone:
             await pipeline.homes.forget(rid)  # deleted, or gone from its replica (evicted)
         if opened.status == 200:
             await send_whole(opened, writer, extra)
+        elif gone:  # answered below as any gateway answers once the id is forgotten
+            opened.resp.release()
+            fwd.outcome, fwd.error_type = "upstream_error", NotFound.type
         else:
             body, error_type = normalize_error_body(
                 opened.status, opened.first, server.expose_upstream_errors
@@ -122,6 +123,18 @@ async def by_id(
         replica.succeeded()
     else:
         replica.failed(f"upstream status {opened.status}")
+    if gone:
+        raise not_found(rid)
+
+
+def not_found(rid: str) -> NotFound:
+    """The one answer for a response no replica of the fleet holds now, whichever gateway is
+    asked and whether it still knew the replica (that replica's own 404) or not."""
+    return NotFound(
+        f"Response with id '{rid[:64]}' not found: no gateway of this fleet knows which "
+        "replica made it (unknown, expired, deleted, or its replica left the pool).",
+        param="response_id", code="response_not_found",
+    )  # fmt: skip
 
 
 def _failed(

@@ -1,7 +1,7 @@
 """Hostile HTTP at the transport level, on raw sockets against a real gateway process: bodies that lie
 about their length, header floods, odd bytes in headers, slowloris clients. The gateway answers
-each with a well-formed error (uvicorn's own plain-text 400 for what its parser refuses), never a
-5xx, and stays responsive for everybody else.
+each with a well-formed OpenAI-shaped error (also what the HTTP server layer refuses before the
+app sees a request: 400, 408, 431), never a 5xx, and stays responsive for everybody else.
 """
 
 from __future__ import annotations
@@ -40,18 +40,18 @@ def request(body: bytes = BODY, *, extra: bytes = b"", length: bytes | None = No
 
 
 def well_formed(resp: bytes) -> None:
-    """Every answer on the connection: a 2xx, a gateway error, or uvicorn's parser 400."""
+    """Every answer on the connection: a 2xx or an OpenAI-shaped error (the HTTP parser's 400
+    too)."""
     rest = resp
     while rest:
         status = status_of(rest)
         head = rest.partition(b"\r\n\r\n")[0].lower()
         assert status and status < 500, rest[:300]
-        if status >= 400 and b"content-type: application/json" in head:
+        if status >= 400:
+            assert b"content-type: application/json" in head, rest[:300]
             length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
             body = body_of(rest)[:length]
             assert_openai_error(status, body)
-        elif status >= 400:  # refused by the HTTP parser before the app saw it
-            assert status == 400 and b"invalid http request" in rest.lower(), rest[:300]
         nxt = rest.find(b"HTTP/1.1 ", 1)
         rest = rest[nxt:] if nxt > 0 else b""
 
@@ -185,8 +185,45 @@ FLOODS = {
 @pytest.mark.parametrize("flood", list(FLOODS), ids=list(FLOODS))
 def test_header_flood_is_refused(gw: GatewayProc, flood: str) -> None:
     resp = gw.raw(request(extra=FLOODS[flood]), read_s=5)
-    # refused (431/400) or the connection cut: anything but reading a megabyte and serving it
-    assert status_of(resp) in (0, 400, 431), resp[:200]
+    # refused with a 431 the client reads (the server reads on, dropping, until it is done)
+    assert status_of(resp) == 431, resp[:200]
+    well_formed(resp)
+
+
+# what the HTTP server layer answers itself, before any app sees a request (issue 39): each an
+# OpenAI-shaped JSON error with its status, read whole by the client that sent it
+SERVER_ANSWERS = {
+    "a 200 KB header": (request(extra=b"x-big: " + b"a" * 200_000 + b"\r\n"), 431),
+    "100 headers of 8 KB": (
+        request(extra=b"".join(b"x-h%d: %s\r\n" % (i, b"a" * 8192) for i in range(100))), 431
+    ),
+    "a 200 KB request line": (b"GET /" + b"a" * 200_000 + b" HTTP/1.1\r\nhost: gw\r\n\r\n", 431),
+    "broken chunked encoding": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n" + AUTH
+        + b"transfer-encoding: chunked\r\n\r\nzz\r\n" + BODY + b"\r\n0\r\n\r\n",
+        400,
+    ),
+    "an invalid request line": (b"NOT AN HTTP REQUEST\r\n\r\n", 400),
+    "an HTTP/2 preface": (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400),
+    "a header without a colon": (b"GET /health HTTP/1.1\r\nhost gw\r\n\r\n", 400),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SERVER_ANSWERS), ids=list(SERVER_ANSWERS))
+def test_what_the_server_refuses_itself_is_an_openai_error(gw: GatewayProc, case: str) -> None:
+    data, status = SERVER_ANSWERS[case]
+    resp = gw.raw(data, read_s=5)
+    assert status_of(resp) == status, resp[:300]
+    head, _, body = resp.partition(b"\r\n\r\n")
+    assert b"\r\ncontent-type: application/json" in head.lower(), head
+    assert b"\r\nconnection: close" in head.lower(), head
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    assert len(body) == length, resp[:300]
+    assert_openai_error(status, body)
+    assert (
+        orjson.loads(body)["error"]["code"]
+        in {400: ("invalid_http_request",), 431: ("request_header_fields_too_large",)}[status]
+    )
 
 
 def test_gateway_serves_others_after_floods(gw: GatewayProc) -> None:
@@ -248,6 +285,10 @@ def test_clients_that_never_finish_a_request_are_dropped(
             data = s.recv(4096)
             if data and not data.startswith(b"HTTP/1.1 408"):
                 still_open.append(f"{name}: answered {data[:40]!r}")
+            elif data:  # the header deadline's 408 is an OpenAI-shaped error too (issue 39)
+                head, _, body = data.partition(b"\r\n\r\n")
+                assert b"content-type: application/json" in head.lower(), data[:300]
+                assert_openai_error(408, body)
         except TimeoutError:
             still_open.append(name)
         except ConnectionResetError:

@@ -1,6 +1,7 @@
 """A small scriptable OpenAI-speaking upstream for gateway tests (a handler, not a mock).
 
-Modes: ok, error_503, error_500, die_midstream (abort the socket after some chunks), stall
+Modes: ok (a non-streamed answer has `n` choices of `chunks` words, no more than `max_tokens`,
+all counted in its usage, as vLLM counts them), error_503, error_500, die_midstream (abort the socket after some chunks), stall
 (send some chunks then hang), slow (sleep before answering), sglang_error (flat error body).
 
 Framing modes (SSE as some replicas really send it, or break it), all with a final usage chunk when
@@ -118,16 +119,20 @@ class Upstream:
             await self._big(req, send)
             return
         if not req.get("stream"):
-            text = " ".join(f"w{i}" for i in range(self.chunks))
-            choice: dict[str, Any] = (
+            # `n` choices of `chunks` words each (no more than max_tokens), all in the usage
+            words = min(self.chunks, req.get("max_tokens") or self.chunks)
+            text = " ".join(f"w{i}" for i in range(words))
+            n = req.get("n") or 1
+            choices: list[dict[str, Any]] = [
                 {
-                    "index": 0,
+                    "index": i,
                     "message": {"role": "assistant", "content": text},
                     "finish_reason": "stop",
                 }
                 if kind == "chat"
-                else {"index": 0, "text": text, "finish_reason": "stop"}
-            )
+                else {"index": i, "text": text, "finish_reason": "stop"}
+                for i in range(n)
+            ]
             await _json(
                 send,
                 200,
@@ -136,11 +141,11 @@ class Upstream:
                     "object": "chat.completion" if kind == "chat" else "text_completion",
                     "created": int(time.time()),
                     "model": req["model"],
-                    "choices": [choice],
+                    "choices": choices,
                     "usage": {
                         "prompt_tokens": 5,
-                        "completion_tokens": self.chunks,
-                        "total_tokens": 5 + self.chunks,
+                        "completion_tokens": n * words,
+                        "total_tokens": 5 + n * words,
                     },
                     "served_by": self.name,
                 },

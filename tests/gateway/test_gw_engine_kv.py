@@ -87,3 +87,28 @@ async def test_a_block_size_unlike_the_engines_is_named(
         "the engine's KV block is 16 tokens, index.chunking.block_size is 32" in r.getMessage()
         for r in caplog.records
     )
+
+
+async def test_the_whole_index_holds_no_more_than_twice_its_replicas_kv() -> None:
+    """Client-chosen scopes (a `cache_salt` each) share an engine's KV: the index's bound over all
+    scopes is twice the replicas' KV blocks together (issue 39), within index.max_blocks."""
+    async with Fleet(n=2, speedup=1000.0) as fleet:
+        engine = fleet.replicas[0].engine
+        kv_tokens = engine.config.block_size * engine.config.num_blocks
+        cfg = {"pools": {"chat": {"replicas": fleet.urls, "scrape": {"interval_s": 0.1}}},
+               "index": {"backend": "memory", "capacity_blocks": 20000}}  # fmt: skip
+        app = create_app(parse_config(cfg))
+        gw = await start_server(app, lifespan="on")
+        try:
+            index = app.gateway.index
+            per_replica = int(kv_tokens / app.gateway.chunker.tokens_per_block)
+            # before the first scrape, index.capacity_blocks sizes each replica
+            assert index._max_blocks in (2 * 2 * 20000, 2 * (20000 + per_replica), 4 * per_replica)
+            await poll_until(lambda: all(r.engine_kv for r in app.gateway.all_replicas()))
+            assert index._max_blocks == 2 * 2 * per_replica
+            cfg["pools"]["chat"]["capacity_blocks"] = 300_000  # type: ignore[index]
+            cfg["index"]["max_blocks"] = 1_000_000  # type: ignore[index]
+            await app.gateway.reconfigure(parse_config(cfg))
+            await poll_until(lambda: app.gateway.index._max_blocks == 1_000_000)  # the lower
+        finally:
+            await gw.stop()

@@ -452,6 +452,25 @@ def test_a_set_takes_its_own_settings_over_the_pools() -> None:
     assert [r.name for r in pool.replicas] == ["a:1", "b:1"]
 
 
+def test_a_set_written_as_a_list_is_its_replicas() -> None:
+    """`prefill: [url, ...]` is `prefill: {replicas: [url, ...]}`, as a pool's `replicas` is a list
+    (issue 39): it used to be refused as "expected a mapping"."""
+    short = parse_config({"pools": {"pd": {
+        "protocol": "sglang",
+        "prefill": ["http://a:1", {"url": "http://c:1", "bootstrap_port": 9000}],
+        "decode": ["http://b:1"],
+    }}})  # fmt: skip
+    long = parse_config({"pools": {"pd": {
+        "protocol": "sglang",
+        "prefill": {"replicas": ["http://a:1", {"url": "http://c:1", "bootstrap_port": 9000}]},
+        "decode": {"replicas": ["http://b:1"]},
+    }}})  # fmt: skip
+    assert short.pools["pd"] == long.pools["pd"]
+    with pytest.raises(ConfigError) as exc:  # an empty list is still no set
+        parse_config({"pools": {"pd": {"protocol": "sglang", "prefill": [], "decode": ["http://b:1"]}}})
+    assert "pools.pd.prefill.replicas: expected at least one replica URL" in str(exc.value)
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_the_trace_shows_prefill_transfer_and_decode(protocol: str) -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

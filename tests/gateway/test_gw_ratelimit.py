@@ -126,6 +126,18 @@ async def test_memory_oversized_cost_is_refused_and_takes_nothing() -> None:
     assert (await lim.acquire("t", [tok], [100])).allowed  # a full-depth cost still fits
 
 
+async def test_a_request_whose_choices_never_fit_says_so() -> None:
+    """n=8 of max_tokens 150 (1,212 tokens) against a 1,000-token bucket can never fit: the error
+    says why, with the numbers, and how to fix it (issue 39)."""
+    tok = Rule("tokens/min", 1000 / 60, 1000.0, "tokens")
+    v = await MemoryRateLimiter(clock=Clock()).acquire("t", [tok], costs_for([tok], 12, 150, 0, 8))
+    exc = rate_limited(v, "acme", prompt_tokens=12, max_tokens=150, choices=8)
+    assert exc.code == "request_exceeds_limit" and "retry-after" not in exc.headers()
+    assert "the request may use 1212" in exc.message
+    assert "(prompt ~12 + 8 choices of max_tokens 150)" in exc.message
+    assert "lower n, max_tokens or shorten the prompt" in exc.message
+
+
 async def test_memory_adjust_debt_and_refund() -> None:
     clock = Clock()
     lim = MemoryRateLimiter(clock=clock)
@@ -203,12 +215,44 @@ def test_costs_and_config_defaults() -> None:
     assert costs_for(rules, 30, None) == [1.0, 30.0]
     assert costs_for(rules, 30, 70) == [1.0, 100.0]
     # no max_tokens: the answer's bound is charged, never past a bucket's depth (then the
-    # request waits for a full bucket); a prompt deeper than the bucket still never fits
+    # request fits a full bucket); a prompt deeper than the bucket still never fits
     deep = [Rule("r", 1, 1), Rule("t", 10, 600, "tokens"), Rule("m", 1, 200, "tokens")]
     assert costs_for(deep, 30, None, 100) == [1.0, 130.0, 130.0]
     assert costs_for(deep, 30, None, 4000) == [1.0, 600.0, 200.0]
     assert costs_for(deep, 300, None, 4000) == [1.0, 600.0, 300.0]
     assert costs_for(deep, 30, 70, 4000) == [1.0, 100.0, 100.0]  # max_tokens set: as asked
+    # every choice may use max_tokens (n, best_of, a batch of prompts): each is charged
+    assert costs_for(deep, 30, 70, 4000, choices=8) == [1.0, 590.0, 590.0]
+    assert costs_for(deep, 30, None, 20, choices=8) == [1.0, 190.0, 190.0]
+    assert costs_for(deep, 30, None, 100, choices=8) == [1.0, 600.0, 200.0]  # still a full bucket
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "choices", "tokens"),
+    [
+        ("chat", {"messages": [{"role": "user", "content": "x" * 40}]}, 1, None),
+        ("chat", {"messages": [{"role": "user", "content": "x" * 40}], "n": 8}, 8, None),
+        ("completions", {"prompt": "x" * 40, "n": 2, "best_of": 5}, 5, 10),
+        ("completions", {"prompt": ["x" * 40, "y" * 80, "z" * 4], "n": 3}, 9, 10 + 20 + 1),
+        ("completions", {"prompt": [[1, 2, 3], [4, 5]], "best_of": 2}, 4, 5),
+        ("completions", {"prompt": [1, 2, 3], "n": 2}, 2, 3),
+    ],
+)
+def test_choices_count_n_best_of_and_a_batch(
+    kind: str, fields: dict[str, object], choices: int, tokens: int | None
+) -> None:
+    """What a request is charged for: `n` (or `best_of`, the answers generated) per prompt, and
+    a batch's prompts all estimated."""
+    import orjson
+
+    from gateway.api.kinds import KINDS
+    from prefix_index.chunking import make_chunker
+
+    row = KINDS[kind]
+    req = row.parse(orjson.dumps({"model": "m", **fields}), None)
+    assert req.choices == choices
+    if tokens is not None:
+        assert row.prompt(req, make_chunker("bytes"))[1] == tokens
     cfg = RateLimitConfig()
     assert (cfg.backend, cfg.redis_url) == ("memory", REDIS_URL)
     with pytest.raises(ValueError, match="unknown rate limit backend 'etcd'"):

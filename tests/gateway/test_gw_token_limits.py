@@ -119,3 +119,113 @@ async def test_requests_without_max_tokens_never_overrun_tokens_per_minute(
     assert first.count(200) >= 1 and first.count(429) >= 1
     # the answers' usage gave back what the estimate over-charged: the second wave gets in
     assert second.count(200) >= 1
+
+
+# --- every choice is charged (issue 39) ---------------------------------------------------------
+N, MAX_TOKENS = 4, 100  # each request may use 4 × 100 tokens: two fit a 1,000-token bucket
+
+
+async def _choices_burst(urls: list[str], n: int) -> tuple[list[int], list[int]]:
+    """`n` concurrent chats asking for N choices of MAX_TOKENS, spread over the gateways at
+    `urls`: (statuses, tokens served per 200 by usage)."""
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "Say hello."}],
+            "n": N, "max_tokens": MAX_TOKENS}  # fmt: skip
+    headers = {"authorization": f"Bearer {KEY}"}
+
+    async def one(h: aiohttp.ClientSession, url: str) -> tuple[int, int]:
+        async with h.post(url + "/v1/chat/completions", json=body, headers=headers) as res:
+            answer = await res.json()
+            if res.status == 200:
+                assert len(answer["choices"]) == N
+                return 200, int(answer["usage"]["total_tokens"])
+            assert res.status == 429, answer
+            return 429, 0
+
+    async with aiohttp.ClientSession() as h:
+        done = await asyncio.gather(*(one(h, urls[i % len(urls)]) for i in range(n)))
+    return [s for s, _ in done], [t for s, t in done if s == 200]
+
+
+@pytest.mark.parametrize(
+    ("backend", "gateways"), [("memory", 1), ("redis", 1), ("redis", 2)]
+)
+async def test_every_choice_is_charged_so_a_burst_never_overruns_the_bucket(
+    backend: str, gateways: int
+) -> None:
+    """30 concurrent chats with n=4, max_tokens=100 against a 1,000 tokens/min tenant, through
+    one gateway or two sharing the Redis limiter: the tokens served (the replica's usage, which
+    counts every choice) stay within the bucket. When n was not charged, 9 were admitted and
+    3,645 tokens served in under a second."""
+    from tests.gateway.fake_replica import Upstream
+
+    tenant = f"tpm-n-{uuid.uuid4().hex[:12]}"
+    up = Upstream("r0", chunks=MAX_TOKENS)
+    upstream = await start_server(up)
+    cfg = {
+        "pools": {"chat": {"replicas": [{"url": upstream.url, "name": "r0"}],
+                           "policy": "round_robin", "health": {"interval_s": 0.2}}},
+        "tenants": [{"name": tenant, "api_keys": [KEY], "limits": {"tokens_per_minute": TPM}}],
+        "ratelimit": {"backend": backend, "redis_url": REDIS_URL},
+        "tracing": {"exporter": "none"},
+    }  # fmt: skip
+    try:
+        async with _redis_keys_of(tenant), contextlib.AsyncExitStack() as stack:
+            urls = [(await stack.enter_async_context(_gateway(cfg)))[1].url for _ in range(gateways)]
+            t0 = time.monotonic()
+            statuses, used = await _choices_burst(urls, 30)
+            elapsed = time.monotonic() - t0
+    finally:
+        await upstream.stop()
+    refill = elapsed * TPM / 60.0
+    assert sum(used) <= TPM + refill, (
+        f"{sum(used)} tokens served against a {TPM} tokens/min bucket "
+        f"({statuses.count(200)} of 30 requests admitted)"
+    )
+    assert statuses.count(200) >= 1 and statuses.count(429) >= 1
+    assert all(u == 5 + N * MAX_TOKENS for u in used)  # the replica really answered N choices
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_retry_after_holds_while_the_requests_before_it_settle(backend: str) -> None:
+    """A refused request retried when its Retry-After says is admitted, though the requests
+    admitted before it finished (and were settled on their usage) in between: their settlement
+    gives back, never takes more. When `n` was not charged, their answers put the bucket in debt
+    and a request told "retry in 0.2 s" was refused again with "retry in 2.6 s"."""
+    from tests.gateway.fake_replica import Upstream
+
+    tenant = f"tpm-ra-{uuid.uuid4().hex[:12]}"
+    up = Upstream("r0", chunks=MAX_TOKENS, delay_s=0.05)  # the burst is in flight when refused
+    upstream = await start_server(up)
+    limits = {"tokens_per_minute": 60_000, "burst_s": 1}  # 1,000 tokens, refilled in 1 s
+    cfg = {
+        "pools": {"chat": {"replicas": [{"url": upstream.url, "name": "r0"}],
+                           "policy": "round_robin", "health": {"interval_s": 0.2}}},
+        "tenants": [{"name": tenant, "api_keys": [KEY], "limits": limits}],
+        "ratelimit": {"backend": backend, "redis_url": REDIS_URL},
+        "tracing": {"exporter": "none"},
+    }  # fmt: skip
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "Say hello."}],
+            "n": N, "max_tokens": MAX_TOKENS}  # fmt: skip
+    headers = {"authorization": f"Bearer {KEY}"}
+    refusals: list[tuple[float, float]] = []  # (when it came, retry-after-ms / 1000)
+
+    async def one(h: aiohttp.ClientSession) -> int:
+        async with h.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as res:
+            await res.read()
+            if res.status == 429:
+                refusals.append((time.monotonic(), int(res.headers["retry-after-ms"]) / 1000))
+            return res.status
+
+    try:
+        async with _redis_keys_of(tenant), _gateway(cfg) as (_, gw):
+            async with aiohttp.ClientSession() as h:
+                statuses = await asyncio.gather(*(one(h) for _ in range(12)))
+                assert statuses.count(200) >= 1 and refusals, statuses
+                at, wait = min(refusals, key=lambda r: r[0] + r[1])  # the soonest told to retry
+                assert wait < 1.0  # a refill of a part of the bucket, not the whole of it
+                await asyncio.sleep(max(0.0, at + wait - time.monotonic()))
+                refusals.clear()
+                retried = await one(h)
+    finally:
+        await upstream.stop()
+    assert retried == 200, f"told to retry in {wait:.3f} s, then told {refusals}"

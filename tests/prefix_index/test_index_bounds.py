@@ -357,6 +357,35 @@ async def _trim_alike(seed: int) -> None:
         await delete_namespace(REDIS_URL, namespace)
 
 
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_a_bound_set_later_holds_like_one_opened_with(
+    make_index: Callable[..., Any], namespace: str, backend: str
+) -> None:
+    """`set_max_blocks` (what the gateway gives: twice its replicas' KV together, issue 39): the
+    index trims to it (the memory one at once, Redis at its next upkeep) and stays under it."""
+    index = make_index(backend, ttl_s=None)
+    for i in range(600):  # ~13,000 entries
+        scope, chain = request(i)
+        if not index.record_nowait(scope, f"r{i % 2}", chain):
+            await index.record(scope, f"r{i % 2}", chain)
+    if backend == "redis":
+        await index.flush()
+    index.set_max_blocks(3_000)
+    if backend == "memory":
+        assert load_of(index.stats_now()) <= 3_000
+    for i in range(600, 1_200):
+        scope, chain = request(i)
+        index.record_nowait(scope, f"r{i % 2}", chain)
+    if backend == "redis":
+        assert await index.flush()
+    stats = await index.stats()
+    assert load_of(stats) <= 3_000 and stats.bound_evicted > 0
+    scope, chain = request(1_199)  # the latest scope is whole
+    assert await index.match(scope, chain, ["r1"]) == {"r1": len(chain)}
+    with pytest.raises(ValueError, match="max_blocks"):
+        index.set_max_blocks(SCOPE_COST_BLOCKS)
+
+
 def test_bad_bounds_are_refused() -> None:
     with pytest.raises(ValueError, match="max_blocks"):
         MemoryIndex(max_blocks=SCOPE_COST_BLOCKS)

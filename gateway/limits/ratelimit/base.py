@@ -73,22 +73,29 @@ class RateLimitConfig(BaseModel):
 
 
 def costs_for(
-    rules: Sequence[Rule], prompt_tokens: int, max_tokens: int | None, unset: int = 0
+    rules: Sequence[Rule],
+    prompt_tokens: int,
+    max_tokens: int | None,
+    unset: int = 0,
+    choices: int = 1,
 ) -> list[float]:
-    """Requests cost 1; tokens cost the prompt estimate plus max_tokens.
+    """Requests cost 1; tokens cost the prompt estimate plus `choices` answers of max_tokens
+    (`n`, or `best_of`, per prompt: each choice is generated, and counted in the usage).
 
-    Without max_tokens, the answer is charged `unset` (the caller's bound on it: the engine's
-    context less the prompt, or the pool's default), but never past a bucket's depth: such a
-    request waits for a full bucket rather than being refused as one that can never fit (its
-    prompt alone still can be). The answer's usage settles the charge either way.
+    Without max_tokens, each answer is charged `unset` (the caller's bound on it: the engine's
+    context less the prompt, or the pool's default), but the whole charge never goes past a
+    bucket's depth: such a request fits a full bucket, so it is refused only until the bucket
+    refills (with a Retry-After), never as one that can never fit (its prompt alone still can
+    be). The answer's usage settles the charge either way.
     """
+    answers = max(1, choices)
     if max_tokens is not None or not unset:
-        tokens = float(prompt_tokens + (max_tokens or 0))
+        tokens = float(prompt_tokens + answers * (max_tokens or 0))
         return [1.0 if r.unit == "requests" else tokens for r in rules]
     out = []
     for r in rules:
         room = max(0, int(r.burst) - prompt_tokens)
-        out.append(1.0 if r.unit == "requests" else float(prompt_tokens + min(unset, room)))
+        out.append(1.0 if r.unit == "requests" else float(prompt_tokens + min(answers * unset, room)))
     return out
 
 

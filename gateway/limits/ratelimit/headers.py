@@ -57,11 +57,12 @@ def rate_limited(
     *,
     prompt_tokens: int | None = None,
     max_tokens: int | None = None,
+    choices: int = 1,
 ) -> RateLimited:
     """The error for a refused verdict, carrying the header set (Retry-After included).
 
     A cost that can never fit gets `RequestExceedsLimit`, naming the limit and the numbers (the
-    prompt estimate and max_tokens, when given), with no Retry-After.
+    prompt estimate, the choices and max_tokens, when given), with no Retry-After.
     """
     extra = {k.decode(): v.decode() for k, v in headers(verdict) if k != b"retry-after"}
     if verdict.oversized:
@@ -72,10 +73,12 @@ def rate_limited(
         )
         parts = ""
         if prompt_tokens is not None:
-            parts = f" (prompt ~{prompt_tokens} + max_tokens {max_tokens or 0})"
+            each = f"{choices} choices of " if choices > 1 else ""
+            parts = f" (prompt ~{prompt_tokens} + {each}max_tokens {max_tokens or 0})"
         return RequestExceedsLimit(
             f"Request too large for tenant '{tenant}': {asked}{parts}. It can never fit, so "
-            "retrying will not help: lower max_tokens or shorten the prompt",
+            f"retrying will not help: lower {'n, ' if choices > 1 else ''}max_tokens or "
+            "shorten the prompt",
             param="max_tokens" if max_tokens else None,
             headers=extra,
         )
