@@ -1,6 +1,7 @@
 """Measured against simulated: every row of a calibration CSV replayed closed loop in the DES.
 
     python -m bench.fidelity DATA.csv [--profile P] [--split test] [--every N]
+                                      [--request-latency infer]
 
 Each row (the format of shared/calibration/: backend, model, gpu, precision, isl, osl,
 concurrency, tp, ttft_ms, tpot_ms) is one closed-loop benchmark: `concurrency` clients, each
@@ -8,7 +9,10 @@ sending random `isl`-token prompts and receiving exactly `osl` tokens. The repor
 measured and simulated mean TTFT and TPOT per row and the mean absolute percentage error
 (MAPE) overall, by TP size and by concurrency band. The CSV does not say how the KV cache was
 stored: by default (`--kv-cache-dtype infer`) it is inferred per GPU from the file's calibration
-half (`infer_kv_dtypes`).
+half (`infer_kv_dtypes`). Nor does it say what the serving stack in front of the engine adds to
+TTFT: `--request-latency infer` measures it from the file's lowest-concurrency rows
+(`infer_request_latency`) and scores the others. The data sets: simulator/profiles/*.csv, whose
+sources simulator/profiles/CALIBRATION.md names.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from simulator.config import build_config
+from simulator.config import build_config, vllm_batch_defaults
 from simulator.des import Cluster, RoundRobin, fixed_length_users, run
 from simulator.perf_model import PerfModel
 from simulator.profiles import (
@@ -44,6 +48,7 @@ GPU_ALIASES = {"h100_sxm": "h100", "h200_sxm": "h200", "a100_sxm": "a100-80g",
                "b200_sxm": "b200", "mi300x": "mi300x", "l40s": "l40s"}
 REQUESTS_PER_CLIENT = 10  # the benchmark's requests per client (num_prompts = 10 x concurrency)
 STEADY_ROUNDS = 3  # closed-loop rounds simulated for the spread-out part
+WARMUP_ROUNDS = 0  # rounds of those not counted (a settling period; none by default)
 BANDS = ((1, 8, "c<=8"), (9, 32, "c 9-32"), (33, 10**9, "c>32"))
 # The KV cache dtype each GPU's benchmarks ran with, which the CSV does not record. Inferred
 # by `python -m bench.calibrate` from the KV capacity the calibration half's saturated
@@ -118,10 +123,17 @@ class Profiles:
         return Profiles(self.models, g, e)
 
     def model_for(self, name: str) -> ModelProfile:
+        """The profile of a row's model: its name or Hugging Face id, with or without
+        -Instruct, or a quantized re-release of it (`nvidia/Llama-3.1-8B-Instruct-FP8`: the
+        row's precision says how its weights are stored)."""
         want = name.lower()
+        bare = want.split("/")[-1].removesuffix("-fp8").removesuffix("-instruct")
         for m in self.models.values():
             hf = m.hf_name.lower()
             if want in (m.name, hf, hf.removesuffix("-instruct")):
+                return m
+        for m in self.models.values():
+            if bare == m.hf_name.lower().split("/")[-1].removesuffix("-instruct"):
                 return m
         raise ValueError(f"no model profile for {name!r}")
 
@@ -172,46 +184,63 @@ def kv_dtype_for(row: Row, kv_cache_dtype: KvChoice) -> str:
 
 
 def engine_options(row: Row, kv_cache_dtype: KvChoice = "benchmark") -> dict[str, Any]:
+    """The engine a row's benchmark ran: `vllm serve` with TP and weights as the row says,
+    vLLM's batch defaults for the GPU (`vllm_batch_defaults`), prefix caching on."""
     weight = {"fp8": "fp8", "bf16": "", "fp16": "", "int4": "int4", "awq": "int4",
               "w4a16": "int4", "mxfp4": "mxfp4"}.get(row.precision.lower(), "")
     return {"tensor_parallel_size": row.tp, "weight_dtype": weight,
             "kv_cache_dtype": kv_dtype_for(row, kv_cache_dtype), "max_model_len": row.isl + row.osl,
-            "enable_prefix_caching": True, "prefill_attention": True}
+            "enable_prefix_caching": True, "prefill_attention": True,
+            **vllm_batch_defaults(GPU_ALIASES.get(row.gpu.lower(), row.gpu.lower()))}
 
 
 async def _closed_loop(row: Row, profiles: Profiles, engine: str, kv_cache_dtype: KvChoice,
-                       seed: int, rounds: int, staggered: bool) -> tuple[float, float, int]:
+                       seed: int, rounds: int, staggered: bool,
+                       warmup: int = 0) -> tuple[float, float, int]:
     cluster = Cluster(1, profiles.model_for(row.model), profiles.gpu_for(row.gpu), seed=seed,
                       engine=profiles.engines[engine], **engine_options(row, kv_cache_dtype))
     c = row.concurrency
     users = fixed_length_users(c, row.isl, row.osl, requests_per_user=rounds, seed=seed)
     if staggered:
-        # clients spread over one request's expected duration: the phases they run at
-        perf = cluster.config.perf
-        cycle = row.osl * perf.step_time(0, c, c * (row.isl + row.osl // 2))
-        users.stagger_s = cycle / c
-    recs = (await run(users, cluster, RoundRobin())).records
+        users.stagger_s = steady_cycle_s(row, cluster.config.perf) / c
+    recs = [r for r in (await run(users, cluster, RoundRobin())).records
+            if int(r.id.rsplit("-", 1)[1]) >= warmup]
     return (sum(r.ttft_s for r in recs) / len(recs), sum(r.tpot_s for r in recs) / len(recs),
             sum(r.preemptions for r in recs))
+
+
+def steady_cycle_s(row: Row, perf: PerfModel) -> float:
+    """How long one client's request takes once the clients run spread out: the engine
+    decodes `osl` steps of `concurrency` sequences, and every client's prompt is prefilled
+    once in that time beside them (each prefill stalls every decode). The clients of the
+    spread-out rounds start this far apart over `concurrency`, so the engine meets the load it
+    will carry; spreading them over the decode steps alone would start them too close
+    together, with a queue the few simulated rounds never drain."""
+    c = row.concurrency
+    decode = perf.step_time(0, c, c * (row.isl + row.osl // 2))
+    return row.osl * decode + c * perf.prefill_time(row.isl)
 
 
 async def simulate(row: Row, profiles: Profiles, *, engine: str = "vllm",
                    requests_per_client: int = REQUESTS_PER_CLIENT,
                    kv_cache_dtype: KvChoice = "benchmark",
-                   seed: int = 0, steady_rounds: int = STEADY_ROUNDS) -> Result:
+                   seed: int = 0, steady_rounds: int = STEADY_ROUNDS,
+                   warmup_rounds: int = WARMUP_ROUNDS) -> Result:
     """`row`'s benchmark in the DES: mean TTFT and TPOT over its requests.
 
     The benchmark sends `requests_per_client` x concurrency requests: the first round leaves
     all at once (a burst: prompts queue for the step's token budget), the rest find the
-    clients spread out (a closed loop with the clients' phases spread over one request). The
-    two are simulated apart and weighted 1 : (requests_per_client - 1).
+    clients spread out (a closed loop with the clients' phases spread over one request,
+    `steady_cycle_s`; its first `warmup_rounds` rounds settle the phases and are not
+    counted). The two are simulated apart and weighted 1 : (requests_per_client - 1).
     """
     b_ttft, b_tpot, b_pre = await _closed_loop(row, profiles, engine, kv_cache_dtype, seed, 1,
                                                False)
     if requests_per_client <= 1:
         return Result(row, b_ttft * 1e3, b_tpot * 1e3, b_pre)
     s_ttft, s_tpot, s_pre = await _closed_loop(row, profiles, engine, kv_cache_dtype, seed,
-                                               steady_rounds, True)
+                                               warmup_rounds + steady_rounds, True,
+                                               warmup=warmup_rounds)
     w = 1.0 / requests_per_client
     return Result(row, 1e3 * (w * b_ttft + (1 - w) * s_ttft),
                   1e3 * (w * b_tpot + (1 - w) * s_tpot), b_pre + s_pre)
@@ -250,6 +279,41 @@ def infer_kv_dtypes(rows: Sequence[Row], profiles: Profiles,
                for kv in candidates}
         out[g] = min(candidates, key=lambda kv: err[kv])
     return out
+
+
+def probe_rows(rows: Sequence[Row]) -> list[Row]:
+    """The rows at the file's lowest concurrency: the ones a single-client probe of the
+    deployment would resemble most (queueing adds least to them)."""
+    lo = min(r.concurrency for r in rows)
+    return [r for r in rows if r.concurrency == lo]
+
+
+def infer_request_latency(probes: Sequence[Row], profiles: Profiles, *, engine: str = "vllm",
+                          kv_cache_dtype: KvChoice = "benchmark") -> dict[str, float]:
+    """The benchmark's request path: `request_ms` and `request_us_per_token` such that the
+    `probes` (its lowest-concurrency rows) replay at their measured TTFT.
+
+    The time a request spends outside engine steps belongs to the serving stack in front of
+    the engine (API server or another frontend, HTTP, tokenisation, the client), not to the
+    model or the GPU, and a CSV does not record it. The probes are replayed with the current
+    profile; their TTFT residuals are fitted as a + b x prompt tokens (least squares on
+    relative error, b >= 0) and added to the engine profile's values."""
+    res = simulate_all(probes, profiles, engine=engine, kv_cache_dtype=kv_cache_dtype)
+    pts = [(r.row.isl, (r.row.ttft_ms - r.ttft_ms) * 1e-3, 1.0 / (r.row.ttft_ms * 1e-3) ** 2)
+           for r in res]
+    sw = sum(w for _, _, w in pts)
+    sx = sum(w * x for x, _, w in pts)
+    sy = sum(w * y for _, y, w in pts)
+    sxx = sum(w * x * x for x, _, w in pts)
+    sxy = sum(w * x * y for x, y, w in pts)
+    det = sw * sxx - sx * sx
+    b = (sw * sxy - sx * sy) / det if det > 1e-9 * sw * sxx else 0.0
+    if b < 0:
+        b = 0.0
+    a = (sy - b * sx) / sw
+    e = profiles.engines[engine]
+    return {"request_ms": round(max(0.0, e.request_ms + a * 1e3), 2),
+            "request_us_per_token": round(e.request_us_per_token + b * 1e6, 2)}
 
 
 def simulate_all(rows: Iterable[Row], profiles: Profiles, **options: Any) -> list[Result]:
@@ -329,6 +393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "shipped data's, BENCHMARK_KV_CACHE_DTYPE)")
     ap.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT,
                     help="benchmark requests per client; the first round is a burst")
+    ap.add_argument("--request-latency", choices=("profile", "infer"), default="profile",
+                    help="the time a request spends outside the engine: the profile's (vLLM's "
+                         "API server, as calibrated), or infer: fitted to the file's "
+                         "lowest-concurrency rows (infer_request_latency), which the summary "
+                         "then leaves out")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     every_row = read_rows(args.data)
@@ -339,11 +408,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv = infer_kv_dtypes(split(every_row, "cal"), profiles)
         print("KV cache dtype the benchmarks ran with (inferred from the calibration half): "
               + (", ".join(f"{g} {d}" for g, d in kv.items()) or "none"))
+    probes: list[Row] = []
+    if args.request_latency == "infer":
+        probes = probe_rows(every_row)
+        latency = infer_request_latency(probes, profiles, engine=args.engine, kv_cache_dtype=kv)
+        profiles = profiles.with_overrides({}, {args.engine: latency})
+        print(f"request path (inferred from the {len(probes)} rows at concurrency "
+              f"{probes[0].concurrency}, left out of the summary): request_ms "
+              f"{latency['request_ms']}, request_us_per_token "
+              f"{latency['request_us_per_token']}")
     results = simulate_all(rows, profiles, engine=args.engine, kv_cache_dtype=kv,
                            requests_per_client=args.requests_per_client, seed=args.seed)
     print(f"{args.data}: {len(results)} rows ({args.split} split), profile "
           f"{args.profile or 'shipped'}, {args.requests_per_client} requests per client")
-    report(results)
+    probe_keys = {r.key for r in probes}
+    report([r for r in results if r.row.key not in probe_keys])
     return 0
 
 

@@ -40,6 +40,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prompt tokens one request gets in a step (vLLM's; 0: no cap)")
+    p.add_argument("--max-num-partial-prefills", type=int, default=1,
+                   help="vLLM's: above 1, an unset threshold becomes 4%% of max_model_len")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context window (default: the model profile's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -132,6 +136,8 @@ def fleet_from_args(args: argparse.Namespace) -> Fleet:
         base_port=args.port, host=args.host, served_model_name=args.served_model_name,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -108,6 +108,11 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # vLLM's cap on the prompt tokens one request gets in a step (0: none; the budget caps
+    # it); with max_num_partial_prefills > 1 and no threshold given, vLLM derives 4 % of
+    # max_model_len (`effective_long_prefill_token_threshold`)
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     scheduling_policy: Scheduling = "fcfs"
@@ -137,6 +142,15 @@ class EngineConfig:
         )
 
     @property
+    def effective_long_prefill_token_threshold(self) -> int:
+        """The per-request prompt-token cap of a step, as vLLM's SchedulerConfig derives it:
+        the threshold given, else int(max_model_len x 0.04) when more than one partial prefill
+        may run, else 0 (no cap)."""
+        if self.long_prefill_token_threshold or self.max_num_partial_prefills <= 1:
+            return self.long_prefill_token_threshold
+        return int(self.max_model_len * 0.04)
+
+    @property
     def num_blocks(self) -> int:
         if self.num_gpu_blocks is not None:
             return self.num_gpu_blocks
@@ -145,6 +159,9 @@ class EngineConfig:
     def validate(self) -> EngineConfig:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.long_prefill_token_threshold < 0 or self.max_num_partial_prefills < 1:
+            raise ValueError("long_prefill_token_threshold must be >= 0 and "
+                             "max_num_partial_prefills >= 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
         if self.num_blocks * self.block_size < self.max_model_len:
@@ -157,6 +174,24 @@ class EngineConfig:
 
 
 _OVERRIDABLE = {f.name for f in fields(EngineConfig)} - {"model", "gpu"}
+
+
+VLLM_LARGE_GPU_GIB = 70.0  # vLLM's threshold for its larger API-server defaults
+
+
+def vllm_batch_defaults(gpu: str | GpuProfile) -> dict[str, int]:
+    """`max_num_batched_tokens` and `max_num_seqs` as `vllm serve` picks them when they are not
+    given (vllm/engine/arg_utils.py, `EngineArgs.get_batch_defaults`, OpenAI API server usage
+    context): 8,192 tokens and 1,024 sequences on a GPU of at least 70 GiB that is not an A100
+    (H100, H200, B200, MI300X), else 2,048 and 256 (A100, L40S). The simulator's own defaults
+    (`EngineConfig`: 8,192 and 256) are not these; the fidelity replay and `gateway plan` use
+    these, as they model a vLLM deployment on that GPU."""
+    g = get_gpu(gpu)
+    seen_gib = g.memory_gib or g.memory_gb * 1e9 / 2**30
+    name = f"{g.key} {g.name}".lower()
+    if seen_gib >= VLLM_LARGE_GPU_GIB and "a100" not in name:
+        return {"max_num_batched_tokens": 8192, "max_num_seqs": 1024}
+    return {"max_num_batched_tokens": 2048, "max_num_seqs": 256}
 
 
 def build_config(model: str | ModelProfile = "qwen2.5-14b", gpu: str | GpuProfile = "a100-80g",

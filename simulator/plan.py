@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from simulator.config import EngineConfig
+from simulator.config import EngineConfig, vllm_batch_defaults
 from simulator.perf_model import TP_CHOICES, PerfModel
 from simulator.profiles import get_gpu, get_model, load_gpus, load_models
 
@@ -136,6 +136,9 @@ def tpot_floor(pm: PerfModel, batch: int, context: float) -> float:
 
 
 def _engine(req: PlanRequest, tp: int, max_model_len: int) -> EngineConfig:
+    """`vllm serve` on this GPU: its batch defaults (`vllm_batch_defaults`: 8,192 tokens and
+    1,024 sequences on H100/H200/B200/MI300X, 2,048 and 256 on A100 and L40S)."""
+    batch = vllm_batch_defaults(req.gpu)
     return EngineConfig(
         model=get_model(req.model),
         gpu=get_gpu(req.gpu),
@@ -143,6 +146,8 @@ def _engine(req: PlanRequest, tp: int, max_model_len: int) -> EngineConfig:
         max_model_len=max_model_len,
         gpu_memory_utilization=req.gpu_memory_utilization,
         overhead_gb=req.overhead_gb,
+        max_num_batched_tokens=batch["max_num_batched_tokens"],
+        max_num_seqs=batch["max_num_seqs"],
     )
 
 

@@ -27,7 +27,11 @@ class Scheduler:
     """Running requests first (each gets its next token or prefill chunk), then admissions.
 
     - Token budget per step: `max_num_batched_tokens`; a prompt longer than what is left is
-      prefilled in chunks over several steps (chunked prefill).
+      prefilled in chunks over several steps (chunked prefill). A running request (decoding,
+      or part way through its prompt) is served before any waiting one, in admission order;
+      waiting requests are admitted while budget and `max_num_seqs` allow, the last one
+      admitted possibly with a partial chunk. `long_prefill_token_threshold` (vLLM's) caps
+      the prompt tokens any one request gets in a step.
     - At most `max_num_seqs` running. A request admitted from the queue reuses the longest
       cached prefix of full blocks (never the whole prompt: the last token is recomputed).
     - When a running request needs a block and none is free, the lowest-priority running
@@ -43,6 +47,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.by_priority = config.scheduling_policy == "priority"
+        # vLLM's long_prefill_token_threshold: no request gets more prompt tokens in one step
+        cap = config.effective_long_prefill_token_threshold
+        self.chunk_cap = cap or config.max_num_batched_tokens
         self.lora: LoraState | None = None  # set by the engine when LoRA is on
 
     def schedule(self) -> Batch:
@@ -56,7 +63,7 @@ class Scheduler:
             if seq.status is not running_:
                 continue  # preempted earlier in this step
             nc = seq.num_computed
-            n = min(seq.prompt_len + len(seq.output) - nc, budget)
+            n = min(seq.prompt_len + len(seq.output) - nc, budget, self.chunk_cap)
             if n == 1 and nc < len(seq.blocks) * bs:  # the common decode step: no new block
                 if caching and (nc + 1) % bs == 0:
                     self._register(seq, nc + 1)
@@ -90,7 +97,7 @@ class Scheduler:
                 continue
             if seq.blocks:  # P/D decode: the blocks and the KV came from a prefill replica
                 waiting.pop()
-                n = min(seq.num_tokens - seq.num_computed, budget)
+                n = min(seq.num_tokens - seq.num_computed, budget, self.chunk_cap)
                 self._register(seq, seq.num_computed + n)
                 seq.status = Status.RUNNING
                 running.append(seq)
@@ -104,7 +111,7 @@ class Scheduler:
                 self.ensure_hashes(seq, limit)
                 hit = cache.cached_blocks(seq.hashes[:cache.longest_prefix(seq.hashes, limit)])
             computed = len(hit) * bs
-            n = min(seq.num_tokens - computed, budget)
+            n = min(seq.num_tokens - computed, budget, self.chunk_cap)
             need = -(-(computed + n) // bs) - len(hit)
             if cache.num_free - cache.count_free_among(hit) < need:
                 break
