@@ -1,0 +1,283 @@
+"""Resume a half-sent streamed answer on another replica (issue 41; docs/resume.md).
+
+When a replica fails after the first byte reached the client (the connection reset or closed, a
+truncated or malformed stream, an error event mid-stream, the idle timeout) or is drained, the
+answer goes on elsewhere: a `/v1/completions` request whose prompt is the prompt's token ids
+plus the ids already relayed (`IdsTap`'s ledger), `max_tokens` less what was sent, the same
+sampling fields. It is routed like any request (the replicas holding the prompt's prefix first,
+the failed one excluded), and its chunks are rewritten into the original's shape (chat deltas or
+completions text; the same id, created and model; usage counting each token once). Without ids
+(an engine that did not send them) a chat answer continues from its text
+(`continue_final_message`), counted inexact. What cannot be continued exactly ends with one
+OpenAI-shaped error event (`not_resumable`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.api.openai import ParsedRequest
+from gateway.api.streams import StreamTap
+from gateway.api.token_tap import Ledger
+
+# sampling fields a continuation carries over as they are (vLLM's and SGLang's names)
+CARRIED = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "repetition_penalty", "logit_bias", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "bad_words", "allowed_token_ids", "cache_salt", "priority",
+    "user", "vllm_xargs", "lora_request",
+)  # fmt: skip
+# request fields whose answers a continuation cannot reproduce, and why (docs/resume.md)
+REFUSED = (
+    ("n", "n > 1: several choices"),
+    ("best_of", "best_of"),
+    ("echo", "echo"),
+    ("logprobs", "logprobs"),
+    ("top_logprobs", "logprobs"),
+    ("prompt_logprobs", "logprobs"),
+    ("response_format", "structured output"),
+    ("guided_json", "structured output"),
+    ("guided_regex", "structured output"),
+    ("guided_choice", "structured output"),
+    ("guided_grammar", "structured output"),
+    ("structured_outputs", "structured output"),
+    ("json_schema", "structured output"),
+    ("regex", "structured output"),
+    ("ebnf", "structured output"),
+    ("tools", "tool calls"),
+    ("functions", "tool calls"),
+    ("frequency_penalty", "frequency/presence penalty"),
+    ("presence_penalty", "frequency/presence penalty"),
+    ("suffix", "suffix"),
+)
+_TRIVIAL: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False, "logprobs": False,
+                            "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
+                            "tools": [], "response_format": {"type": "text"}}  # fmt: skip
+REASONS = {
+    "n": "n > 1: several choices",
+    "logprobs": "logprobs",
+    "tool_calls": "tool calls",
+    "reasoning": "a reasoning model's thinking",
+}
+
+
+def refused(req: ParsedRequest) -> str | None:
+    """Why `req`'s answer cannot be continued exactly, from the request alone (None: it can)."""
+    body = req.body
+    if req.kind not in ("chat", "completions"):
+        return f"a {req.kind} answer"
+    if req.kind == "completions" and isinstance(req.prompt, list) and req.prompt \
+            and isinstance(req.prompt[0], (str, list)) and len(req.prompt) > 1:  # fmt: skip
+        return "a batch of prompts"
+    for key, why in REFUSED:
+        v = body.get(key)
+        if v is None or v is False or (key in _TRIVIAL and v == _TRIVIAL[key]):
+            continue
+        if key == "tools" and body.get("tool_choice") == "none":
+            continue
+        return why
+    if body.get("chat_template_kwargs", {}).get("enable_thinking") is True:
+        return "a reasoning model's thinking"
+    return None
+
+
+def wants_ids(req: ParsedRequest, engine: str) -> bool:
+    """Whether the gateway asks this request's engine for token ids (`return_token_ids`): vLLM's
+    chat and completions streams, SGLang's completions (its chat refuses the field streamed)."""
+    if req.kind == "completions":
+        return True
+    return req.kind == "chat" and engine == "vllm"
+
+
+def with_ids(raw: bytes, body: dict[str, Any]) -> bytes:
+    """The body with `return_token_ids: true` (spliced in before the last brace)."""
+    if body.get("return_token_ids") is True:
+        return raw
+    end = raw.rstrip()
+    if end.endswith(b"}"):
+        head = end[:-1].rstrip()
+        sep = b"" if head.endswith(b"{") else b","
+        return head + sep + b'"return_token_ids":true}'
+    return orjson.dumps({**body, "return_token_ids": True})
+
+
+@dataclass(slots=True)
+class Continuation:
+    path: bytes
+    body: bytes
+    offset: int  # tokens already relayed
+    exact: bool  # by token ids (else from the text)
+
+
+def continuation(
+    req: ParsedRequest, sent: dict[str, Any], ledger: Ledger, bound: int | None
+) -> Continuation | None:
+    """The request that continues `ledger`'s answer (`sent`: the body as first sent on, gateway
+    fields set); None when nothing is left to generate. `bound`: max_tokens for a request
+    that set none (the engine's context left after the prompt)."""
+    body = sent
+    left: int | None = None
+    if req.max_tokens is not None:
+        left = req.max_tokens - ledger.offset if ledger.exact else req.max_tokens - ledger.chunks
+        if left <= 0:
+            return None
+    elif bound:
+        left = bound
+    out: dict[str, Any] = {k: body[k] for k in CARRIED if k in body}
+    if "model" in body:
+        out["model"] = body["model"]
+    min_tokens = body.get("min_tokens")
+    if isinstance(min_tokens, int) and min_tokens > 0:
+        out["min_tokens"] = max(0, min_tokens - ledger.offset)
+    out["stream"] = True
+    out["stream_options"] = {"include_usage": True}
+    if left is not None:
+        out["max_tokens"] = left
+    if ledger.exact:
+        assert ledger.prompt_ids is not None
+        out["prompt"] = [*ledger.prompt_ids, *ledger.ids]
+        out["return_token_ids"] = True
+        return Continuation(b"/v1/completions", orjson.dumps(out), ledger.offset, True)
+    text = "".join(ledger.text)
+    if req.kind == "chat":
+        for key in ("messages", "chat_template", "chat_template_kwargs", "add_special_tokens"):
+            if key in body:
+                out[key] = body[key]
+        out["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
+        out["continue_final_message"] = True
+        out["add_generation_prompt"] = False
+        return Continuation(b"/v1/chat/completions", orjson.dumps(out), ledger.chunks, False)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        return None
+    out["prompt"] = prompt + text
+    return Continuation(b"/v1/completions", orjson.dumps(out), ledger.chunks, False)
+
+
+_BLANK = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+class Reshaper:
+    """A continuation's events rewritten into the original answer's shape, appended to its
+    ledger (the ids relayed, the text, the finish): what goes to the client is
+    `feed(chunk)`'s bytes; the continuation's usage is folded into the original's."""
+
+    def __init__(self, ledger: Ledger, exact: bool, prompt_tokens: int | None) -> None:
+        self.ledger = ledger
+        self.exact = exact
+        self.prompt_tokens = prompt_tokens  # the original prompt's (None: from the ledger)
+        self.base = ledger.offset if exact else ledger.chunks  # tokens before this continuation
+        self.tap = StreamTap(strip_usage=False)  # checks the events, keeps a partial one back
+        self.usage: dict[str, Any] | None = None
+        self.tokens = 0  # tokens this continuation relayed
+
+    @property
+    def broken(self) -> str | None:
+        return self.tap.broken
+
+    @property
+    def done(self) -> bool:
+        return self.tap.done
+
+    def feed(self, chunk: bytes) -> bytes:
+        whole = self.tap.feed(chunk)
+        if not whole:
+            return b""
+        out: list[bytes] = []
+        for event in _BLANK.split(whole):
+            event = event.strip()
+            if not event.startswith(b"data:"):
+                continue
+            data = event[5:].strip()
+            if data == b"[DONE]":
+                out.append(self._end())
+                break
+            obj = orjson.loads(data)
+            if "error" in obj and "choices" not in obj:
+                self.tap.broken = "an error event"
+                break
+            out.append(self._event(obj))
+        return b"".join(out)
+
+    def _event(self, obj: dict[str, Any]) -> bytes:
+        ledger = self.ledger
+        choices = obj.get("choices") or []
+        if not choices:
+            if isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+            return b""
+        choice = choices[0]
+        if ledger.chat and not self.exact:
+            delta = choice.get("delta") or {}
+            piece = delta.get("content")
+            if "role" in delta and not delta.get("content"):
+                return b""  # the continuation's own role chunk: the client had one
+        else:
+            piece = choice.get("text")
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            ledger.ids.extend(ids)
+            self.tokens += len(ids)
+        else:
+            if piece:
+                ledger.ids_lost = True
+            self.tokens += 1 if piece else 0
+        if isinstance(piece, str) and piece:
+            ledger.text.append(piece)
+            ledger.chunks += 1
+        reason = choice.get("finish_reason")
+        if reason is not None:
+            ledger.finish = reason
+            ledger.stop_reason = choice.get("stop_reason")
+        shaped: dict[str, Any] = dict(ledger.template)
+        if ledger.chat:
+            shaped["object"] = "chat.completion.chunk"
+            c: dict[str, Any] = {"index": 0, "delta": {"content": piece or ""}, "logprobs": None,
+                                 "finish_reason": reason}  # fmt: skip
+        else:
+            shaped["object"] = "text_completion"
+            c = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
+        if reason is not None:
+            c["stop_reason"] = choice.get("stop_reason")
+        if ledger.asked_ids and isinstance(ids, list):
+            c["token_ids"] = ids
+        shaped["choices"] = [c]
+        return b"data: " + orjson.dumps(shaped) + b"\n\n"
+
+    def folded_usage(self) -> dict[str, Any] | None:
+        """The answer's usage: the original prompt once, every completion token once."""
+        if self.usage is None:
+            return None
+        ledger = self.ledger
+        prompt = self.prompt_tokens
+        if prompt is None:
+            prompt = len(ledger.prompt_ids) if ledger.prompt_ids is not None else None
+        if prompt is None:
+            prompt = int(self.usage.get("prompt_tokens", 0)) - self.base
+        completion = self.base + int(self.usage.get("completion_tokens", self.tokens))
+        use: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                               "completion_tokens": completion}  # fmt: skip
+        details = self.usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            use["prompt_tokens_details"] = {"cached_tokens": min(prompt, details["cached_tokens"])}
+        return use
+
+    def _end(self) -> bytes:
+        """The usage chunk (when the client asked) and `[DONE]`."""
+        return finish_bytes(self.ledger, self.folded_usage())
+
+
+def finish_bytes(ledger: Ledger, usage: dict[str, Any] | None) -> bytes:
+    out = b""
+    ledger.usage = usage if usage is not None else ledger.usage
+    if ledger.include_usage and ledger.usage is not None:
+        shaped = dict(ledger.template)
+        shaped["object"] = "chat.completion.chunk" if ledger.chat else "text_completion"
+        shaped["choices"] = []
+        shaped["usage"] = ledger.usage
+        out = b"data: " + orjson.dumps(shaped) + b"\n\n"
+    return out + b"data: [DONE]\n\n"
