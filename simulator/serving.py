@@ -250,6 +250,10 @@ class CompletionService:
                     elif fault.mode == "garbage_sse":
                         yield GARBAGE
                         return
+                    elif fault.mode == "error_midstream":  # as vLLM ends a failed stream
+                        yield sse(ApiError(500, "simulated engine error").body())
+                        yield b"data: [DONE]\n\n"
+                        return
                 yield frame
                 sent += 1
         finally:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from gateway.api.streams import StreamTap
 from gateway.config import PoolConfig, TimeoutsConfig
 from gateway.errors import (
     GatewayError,
@@ -20,6 +21,7 @@ from gateway.errors import (
     ServerBusy,
     UpstreamError,
     UpstreamTimeout,
+    sse_error_event,
 )
 from gateway.http.writer import ResponseWriter
 from gateway.routing.router import Dispatch
@@ -32,6 +34,7 @@ from gateway.upstream.proxy import (
     relay_stream,
     send_whole,
 )
+from gateway.upstream.resume import Resumer, StreamResume, trigger_of, wants_ids, with_ids
 
 if TYPE_CHECKING:
     from gateway.routing.lora_placement import LoraPlacement
@@ -44,6 +47,7 @@ class Failover:
     def __init__(self, gateway: Gateway, lora: LoraPlacement) -> None:
         self.gw = gateway
         self.lora = lora
+        self.resumer = Resumer(gateway)
 
     async def forward(
         self, out: Outbound, first: Dispatch, writer: ResponseWriter, fwd: Forwarded
@@ -64,6 +68,10 @@ class Failover:
         candidates = iter(out.routing.decision.ranked[1:])
         retries = pc.retries
         attempt: Dispatch | None = first
+        state = self.resumable(out)
+        body = out.body
+        if state is not None and state.refused is None and wants_ids(req, pc.resume.engine):
+            body = with_ids(body, req.body)  # the ids a resume continues from
         while attempt is not None:
             current = attempt
             name = current.replica.name
@@ -78,7 +86,7 @@ class Failover:
                     break
                 try:
                     opened = await open_upstream(
-                        gw.upstream, current.replica.url, path, out.body, out.headers,
+                        gw.upstream, current.replica.url, path, body, out.headers,
                         pc.timeouts, req.stream, left, gw.answers, out.answers_cap,
                         method=out.kind.method, json_answer=out.kind.json_answer,
                     )  # fmt: skip
@@ -108,11 +116,15 @@ class Failover:
                 fwd.attempts.append((name, current.replica.url, t_sent, 0, opened.status, None))
                 current.prefilled()
                 try:
-                    await self.deliver(out, opened, writer, fwd)
+                    await self.deliver(out, opened, writer, fwd, state, current)
                 finally:
                     opened.free()  # the answer is with the client (or never will be)
-                # a 4xx is the request's fault, not the replica's: only 5xx and broken streams count
-                ok = opened.status < 500 and fwd.outcome != "broken_mid_stream"
+                # a 4xx is the request's fault, not the replica's: only 5xx and broken streams
+                # count (a stream resumed elsewhere broke here; a drained one did not)
+                broke_here = fwd.outcome == "broken_mid_stream" or (
+                    bool(fwd.resumes) and fwd.resumes[0][2] != "drain"
+                )
+                ok = opened.status < 500 and not broke_here
                 # the replica's own TTFT (sent -> first byte), not the client's: no queue time in it
                 ttft_s = (fwd.t_first - t_sent) / 1e9 if req.stream and fwd.status == 200 else None
                 await current.finished(
@@ -125,10 +137,19 @@ class Failover:
         fwd.error = _all_failed(failures, fired, pc, out.expose_errors)
         return fwd
 
+    def resumable(self, out: Outbound) -> StreamResume | None:
+        """The resume of a streamed chat or completions request when its pool resumes (docs/resume.md)."""
+        req, cfg = out.req, out.pool.config.resume
+        if not cfg.enabled or not req.stream or out.kind.name not in ("chat", "completions"):
+            return None
+        return StreamResume(cfg, req, asked_ids=req.body.get("return_token_ids") is True)
+
     async def deliver(
-        self, out: Outbound, opened: Opened, writer: ResponseWriter, fwd: Forwarded
-    ) -> None:
-        """Relay the chosen replica's answer and read its usage."""
+        self, out: Outbound, opened: Opened, writer: ResponseWriter, fwd: Forwarded,
+        state: StreamResume | None = None, current: Dispatch | None = None,
+    ) -> None:  # fmt: skip
+        """Relay the chosen replica's answer and read its usage; a stream that breaks mid-way
+        resumes on another replica when it can (`state`)."""
         status = opened.status
         extra = out.answer_headers()
         if status != 200:
@@ -141,15 +162,25 @@ class Failover:
         row = out.kind
         learn = out.learn
         if out.req.stream:
-            tap = row.tap(strip_usage=not out.req.include_usage)
+            strip = not out.req.include_usage
+            tap = row.tap(strip) if state is None or state.refused else state.tap(strip)
             early = None if learn is None else _learn_early(tap, fwd, learn)
-            broke = await relay_stream(
-                opened, writer, extra, tap, early, live=self.gw.live_streams
-            )
+            if state is not None and current is not None:
+                state.watch(current.replica, opened.resp)
+            try:
+                broke = await relay_stream(
+                    opened, writer, extra, tap, early, live=self.gw.live_streams,
+                    keep_open=state is not None,
+                )  # fmt: skip
+            finally:
+                if state is not None:
+                    state.unwatch()
             fwd.t_last = time.perf_counter_ns()
+            usage = tap.usage
+            if broke is not None and state is not None:
+                broke, usage = await self._resume(out, state, tap, broke, writer, fwd)
             if broke is not None:
                 fwd.outcome, fwd.error_type = "broken_mid_stream", broke.type
-            usage = tap.usage
             learned, fwd.answer_id = fwd.answer_id, getattr(tap, "answer_id", None)
             if learn is not None and learned is None and fwd.answer_id is not None:
                 await learn(fwd.answer_id, fwd.replica)  # its id came after the first chunk
@@ -164,6 +195,27 @@ class Failover:
             usage = row.usage(opened.parsed) if opened.parsed is not None else None
         if isinstance(usage, dict):
             fwd.input_tokens, fwd.output_tokens, fwd.cached_tokens = row.counts(usage)
+
+
+    async def _resume(
+        self, out: Outbound, state: StreamResume, tap: StreamTap, broke: GatewayError,
+        writer: ResponseWriter, fwd: Forwarded,
+    ) -> tuple[GatewayError | None, Any]:  # fmt: skip
+        """Resume a stream that broke (the client's still open): the error it ends with (None:
+        it ended properly) and the answer's usage."""
+        failed = fwd.replica
+        if self.gw.live_streams.closing:  # the gateway is going down: no new upstream now
+            still: GatewayError | None = broke
+        else:
+            trigger = trigger_of(broke, tap.broken, state.drained)
+            if fwd.attempts:  # the attempt that broke ends here, broken
+                name, url, t0, _, status, _ = fwd.attempts[-1]
+                fwd.attempts[-1] = (name, url, t0, fwd.t_last, status, "broken_mid_stream")
+            still = await self.resumer.resume(
+                out, state, broke, trigger, writer, fwd, failed, tap.last_ns or time.time_ns()
+            )
+        await writer.end(sse_error_event(still) if still is not None else b"")
+        return still, state.ledger.usage if still is None else tap.usage
 
 
 def _learn_early(

@@ -14,15 +14,30 @@ OpenAI-shaped error event (`not_resumable`).
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway.api.openai import ParsedRequest
 from gateway.api.streams import StreamTap
-from gateway.api.token_tap import Ledger
+from gateway.api.token_tap import IdsTap, Ledger
+from gateway.config import ResumeConfig
+from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
+from gateway.http.writer import ResponseWriter
+from gateway.limits.budgets import shutting_down
+from gateway.routing.router import Dispatch, Routing
+from gateway.telemetry.trace import RESUMED
+from gateway.upstream.client import UpstreamBrokenError, UpstreamResponse
+from gateway.upstream.outbound import Forwarded, Outbound
+from gateway.upstream.proxy import Opened, Retryable, open_upstream
+
+if TYPE_CHECKING:
+    from gateway.fleet.replicas import ReplicaState
+    from gateway.runtime import Gateway
 
 # sampling fields a continuation carries over as they are (vLLM's and SGLang's names)
 CARRIED = (
@@ -281,3 +296,261 @@ def finish_bytes(ledger: Ledger, usage: dict[str, Any] | None) -> bytes:
         shaped["usage"] = ledger.usage
         out = b"data: " + orjson.dumps(shaped) + b"\n\n"
     return out + b"data: [DONE]\n\n"
+
+
+# --- the resume itself ---------------------------------------------------------------------------
+class StreamResume:
+    """One streamed request's resume: its ledger and tap, the replica it streams from now (told
+    to hand over when that replica drains), the attempts left."""
+
+    def __init__(self, cfg: ResumeConfig, req: ParsedRequest, asked_ids: bool) -> None:
+        self.cfg = cfg
+        self.req = req
+        self.ledger = Ledger(chat=req.kind == "chat", asked_ids=asked_ids,
+                             include_usage=req.include_usage)  # fmt: skip
+        self.refused = refused(req)
+        self.left = cfg.attempts
+        self.drained = False  # the stream now relayed was ended by a drain
+        self._resp: UpstreamResponse | None = None
+        self._on: ReplicaState | None = None
+
+    def tap(self, strip_usage: bool) -> IdsTap:
+        return IdsTap(strip_usage, self.ledger, strip_ids=not self.ledger.asked_ids)
+
+    def watch(self, replica: ReplicaState, resp: UpstreamResponse) -> None:
+        """Relaying `resp` from `replica`: a drain of it hands this stream over."""
+        self.unwatch()
+        self._resp, self._on = resp, replica
+        replica.streams.add(self.leave)
+        if replica.draining:
+            self.leave()
+
+    def unwatch(self) -> None:
+        if self._on is not None:
+            self._on.streams.discard(self.leave)
+        self._resp = self._on = None
+
+    def leave(self) -> None:
+        """The replica drains: end its stream here; the relay resumes it elsewhere."""
+        if self._resp is not None and "drain" in self.cfg.on and self.refused is None:
+            self.drained = True
+            self._resp.abort()
+
+
+def trigger_of(broke: GatewayError, broken: str | None, drained: bool) -> str:
+    """What ended a stream mid-way, as `resume.on` names it."""
+    if drained:
+        return "drain"
+    if isinstance(broke, UpstreamTimeout):
+        return "idle_timeout"
+    if broken == "an error event":
+        return "error_event"
+    if broken is not None:
+        return "malformed"
+    if "without [DONE]" in broke.message:
+        return "truncated"
+    return "reset"
+
+
+class Resumer:
+    """Continues broken streams of a plain pool (`Failover`'s): `resume` is called once the
+    relay of the first replica's stream broke, with the client's stream still open."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def resume(
+        self, out: Outbound, state: StreamResume, broke: GatewayError, trigger: str,
+        writer: ResponseWriter, fwd: Forwarded, failed: str, last_ns: int,
+    ) -> GatewayError | None:  # fmt: skip
+        """Continue the answer until it ends; the error to end the client's stream with when it
+        cannot (None: it ended properly). `last_ns`: when the last chunk came (time_ns)."""
+        gw, pool, ledger = self.gw, out.pool, state.ledger
+        pc = pool.config
+        deadline = fwd.t_sent + int(pc.timeouts.total_s * 1e9)
+        excluded = {failed}
+        while True:
+            why = self._why_not(state, trigger)
+            if why is not None:
+                gw.metrics.resumes.labels(pool.name, trigger, why[0]).inc()
+                if why[1] is None:
+                    return broke
+                return type(broke)(f"{broke.message}; not resumed: {why[1]}", code=broke.code)
+            if ledger.finish is not None:  # only the end was lost: the answer is whole
+                await writer.write(finish_bytes(ledger, ledger.usage or _usage_of(ledger)))
+                gw.metrics.resumes.labels(pool.name, trigger, "resumed").inc()
+                return None
+            state.left -= 1
+            cont = continuation(state.req, orjson.loads(out.body), ledger,
+                                pool.answer_bound(len(ledger.prompt_ids or ())) or None)  # fmt: skip
+            if cont is None:  # max_tokens reached, its finish chunk lost
+                ledger.finish = "length"
+                await writer.write(_length_chunk(ledger) + finish_bytes(ledger, _usage_of(ledger)))
+                gw.metrics.resumes.labels(pool.name, trigger, "resumed").inc()
+                return None
+            outcome = "resumed" if cont.exact else "inexact"
+            got = await self._open(out, cont, excluded, deadline, fwd)
+            if got is None:
+                gw.metrics.resumes.labels(pool.name, trigger, "failed").inc()
+                return type(broke)(f"{broke.message}; no replica could resume it", code=broke.code)
+            disp, opened = got
+            name = disp.replica.name
+            fwd.resumes.append((name, cont.offset, trigger, outcome))
+            state.drained = False
+            state.watch(disp.replica, opened.resp)
+            reshaper = Reshaper(ledger, cont.exact, fwd.input_tokens)
+            first_at = [0]  # time_ns of its first token to the client
+            t_sent = time.time_ns()
+            try:
+                broke2 = await self._relay(opened, reshaper, writer, first_at)
+            except BaseException:
+                opened.resp.abort()
+                await disp.abandoned()
+                disp.done()
+                state.unwatch()
+                raise
+            state.unwatch()
+            gw.metrics.resumes.labels(pool.name, trigger, outcome).inc()
+            if first_at[0]:
+                gw.metrics.resume_gap.labels(pool.name).observe((first_at[0] - last_ns) / 1e9)
+                fwd.resume_gaps.append((first_at[0] - last_ns) / 1e9)
+                last_ns = reshaper.tap.last_ns or last_ns
+            fwd.replica = name
+            fwd.tried.append(name)
+            fwd.t_last = time.perf_counter_ns()
+            ok = broke2 is None
+            ttft = (first_at[0] - t_sent) / 1e9 if first_at[0] else None
+            await disp.finished(ok, True, ttft, "upstream ok" if ok else "upstream broken_mid_stream")
+            disp.done()
+            gw.notify_capacity(pool.name)
+            if broke2 is None:
+                return None
+            broke, excluded = broke2, excluded | {name}
+            trigger = trigger_of(broke2, reshaper.broken, state.drained)
+
+    def _why_not(self, state: StreamResume, trigger: str) -> tuple[str, str | None] | None:
+        """(outcome, why) when the answer is not resumed now; why None: the break is told as
+        it was (resume off for this trigger, attempts used up)."""
+        ledger, cfg = state.ledger, state.cfg
+        if trigger not in cfg.on:
+            return ("off", None)
+        why = state.refused or REASONS.get(ledger.unresumable or "")
+        if why is not None:
+            return ("not_resumable", why)
+        if not ledger.exact and not (cfg.from_text and ledger.text):
+            return ("not_resumable", "the engine sent no token ids")
+        if state.left <= 0:
+            return ("failed", f"{cfg.attempts} resume attempts used")
+        return None
+
+    async def _open(
+        self, out: Outbound, cont: Continuation, excluded: set[str], deadline: int, fwd: Forwarded
+    ) -> tuple[Dispatch, Opened] | None:
+        """The continuation sent to the best replica for the prompt's prefix, the failed ones
+        and draining ones excluded; the next one on a failure before its first byte."""
+        gw, pool, router = self.gw, out.pool, out.router
+        pc = pool.config
+        routing = Routing(out.routing.routed, out.routing.prompt, 0)
+        await router.match(pool, routing)
+        decision = router.choose(pool, routing)
+        # never the replica that just failed; those that failed before, last
+        names = [n for n in decision.ranked if n != fwd.replica and n not in excluded]
+        names += [n for n in decision.ranked if n != fwd.replica and n in excluded]
+        for name in names[: pc.retries + 1]:
+            left = (deadline - time.perf_counter_ns()) / 1e9
+            if left <= 0:
+                return None
+            disp = await router.dispatch(pool, routing, name)
+            t0 = time.perf_counter_ns()
+            try:
+                opened = await open_upstream(
+                    gw.upstream, disp.replica.url, cont.path, cont.body, out.headers,
+                    pc.timeouts, True, left,
+                )  # fmt: skip
+            except Retryable as exc:
+                from gateway.upstream.failover import attempt_outcome
+
+                await disp.failed(exc.reason, exc.busy)
+                outcome = attempt_outcome(exc)
+                fwd.attempts.append((name, disp.replica.url, t0, time.perf_counter_ns(),
+                                     exc.status or 0, outcome))  # fmt: skip
+                gw.metrics.attempts.labels(pool.name, name, outcome).inc()
+                disp.done()
+                continue
+            except BaseException:
+                await disp.abandoned()
+                disp.done()
+                raise
+            if opened.status != 200:  # the continuation refused: not this answer's to fix
+                opened.resp.release()
+                await disp.finished(opened.status < 500, False, None, f"upstream {opened.status}")
+                disp.done()
+                continue
+            fwd.attempts.append((name, disp.replica.url, t0, 0, 200, f"{RESUMED}{cont.offset}"))
+            disp.prefilled()
+            return disp, opened
+        return None
+
+    async def _relay(
+        self, opened: Opened, reshaper: Reshaper, writer: ResponseWriter, first_at: list[int]
+    ) -> GatewayError | None:
+        """The continuation's events, reshaped, to the client; the error that broke it."""
+        resp = opened.resp
+        live = self.gw.live_streams
+        live.add(resp)
+        broke: GatewayError | None = None
+        ended = False
+        try:
+            chunk = opened.first
+            while True:
+                data = reshaper.feed(chunk)
+                if data:
+                    if not first_at[0]:
+                        first_at[0] = time.time_ns()
+                    await writer.write(data)
+                if reshaper.broken is not None or reshaper.done:
+                    break
+                chunk = await resp.read_chunk()
+                if not chunk:
+                    ended = True
+                    break
+        except asyncio.CancelledError:
+            resp.abort()
+            raise
+        except TimeoutError:
+            broke = UpstreamTimeout("The upstream replica stopped sending mid-stream (timeout)")
+        except UpstreamBrokenError as exc:
+            broke = (shutting_down() if live.closing
+                     else UpstreamError(f"The upstream replica failed mid-stream ({exc})"))  # fmt: skip
+        else:
+            if reshaper.broken is not None:
+                broke = UpstreamError(f"The upstream replica sent {reshaper.broken}")
+            elif not reshaper.done:
+                broke = UpstreamError("The upstream replica ended the stream without [DONE]")
+        finally:
+            live.discard(resp)
+        if ended or reshaper.done:
+            resp.release()
+        else:
+            resp.abort()
+        return broke
+
+
+def _usage_of(ledger: Ledger) -> dict[str, Any] | None:
+    if ledger.prompt_ids is None:
+        return None
+    p, c = len(ledger.prompt_ids), ledger.offset
+    return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
+
+
+def _length_chunk(ledger: Ledger) -> bytes:
+    shaped: dict[str, Any] = dict(ledger.template)
+    if ledger.chat:
+        shaped["object"] = "chat.completion.chunk"
+        c: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
+    else:
+        shaped["object"] = "text_completion"
+        c = {"index": 0, "text": "", "logprobs": None}
+    c["finish_reason"], c["stop_reason"] = "length", None
+    shaped["choices"] = [c]
+    return b"data: " + orjson.dumps(shaped) + b"\n\n"
