@@ -155,6 +155,14 @@ class Metrics:
             ["pool"],
             (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
         )
+        self.resume_tokens = CounterTally(
+            "gateway_stream_resume_tokens_total",
+            "Tokens of the continuations that resumed streams: `relayed` (the answer's tokens the "
+            "client had at each resume), `prefilled` and `cached` (the continuation's prompt, "
+            "the original prompt plus the relayed tokens, as its engine reported it computed or "
+            "found cached).",
+            ["pool", "kind"],
+        )
         self.limited = CounterTally(
             "gateway_ratelimited_total",
             "Requests refused by a tenant's rate limit, by tenant and the limit that ran out.",

@@ -411,6 +411,7 @@ class Resumer:
                 raise
             state.unwatch()
             gw.metrics.resumes.labels(pool.name, trigger, outcome).inc()
+            self._count_tokens(pool.name, cont.offset, reshaper.usage)
             if first_at[0]:
                 gw.metrics.resume_gap.labels(pool.name).observe((first_at[0] - last_ns) / 1e9)
                 fwd.resume_gaps.append((first_at[0] - last_ns) / 1e9)
@@ -427,6 +428,19 @@ class Resumer:
                 return None
             broke, excluded = broke2, excluded | {name}
             trigger = trigger_of(broke2, reshaper.broken, state.drained)
+
+    def _count_tokens(self, pool: str, offset: int, usage: dict[str, Any] | None) -> None:
+        tokens = self.gw.metrics.resume_tokens
+        tokens.labels(pool, "relayed").inc(offset)
+        if usage is None:
+            return
+        prompt = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(prompt, int):
+            hit = cached if isinstance(cached, int) else 0
+            tokens.labels(pool, "prefilled").inc(max(0, prompt - hit))
+            tokens.labels(pool, "cached").inc(hit)
 
     def _why_not(self, state: StreamResume, trigger: str) -> tuple[str, str | None] | None:
         """(outcome, why) when the answer is not resumed now; why None: the break is told as
