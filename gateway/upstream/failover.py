@@ -195,6 +195,8 @@ class Failover:
             usage = row.usage(opened.parsed) if opened.parsed is not None else None
         if isinstance(usage, dict):
             fwd.input_tokens, fwd.output_tokens, fwd.cached_tokens = row.counts(usage)
+            if fwd.resumes:  # the first replica never told its cache: its receipt is unreported
+                fwd.cached_tokens = None
 
 
     async def _resume(
