@@ -50,7 +50,9 @@ ATTEMPT_ATTRIBUTES: dict[str, str] = {
     "error_type": "error.type",
     "resume_offset": "gateway.resume.offset",  # a resume: the tokens relayed before it
 }
-RESUMED = "resume:"  # an attempt's outcome `resume:<offset>`: it continued the answer there
+# an attempt's outcome `resume:<offset>`: it continued the answer there (`resume:<offset>:<error>`
+# when it broke in turn)
+RESUMED = "resume:"
 # the root's names this module reads or writes (ATTRIBUTES holds them too)
 _METHOD, _PATH, _OUTCOME = "http.request.method", "url.path", "gateway.outcome"
 _ADDRESS, _PORT, _AGENT = "server.address", "server.port", "user_agent.original"
@@ -79,7 +81,8 @@ def attempt_spans(
         e = min(max(t1 + offset if t1 else answered if answered > s else end, s), end)
         resumed = -1
         if failed is not None and failed.startswith(RESUMED):  # a resume, at its token offset
-            resumed, failed = int(failed[len(RESUMED) :]), None
+            at, _, broke = failed[len(RESUMED) :].partition(":")  # `:<error>`: it broke too
+            resumed, failed = int(at), broke or None
         if failed is not None:  # the failover's outcome: status_503 -> "503", timeout, ...
             error: str | None = failed[7:] if failed.startswith("status_") else failed
         elif status >= 400:  # CLIENT span conventions: a 4xx is an error too

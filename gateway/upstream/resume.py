@@ -426,6 +426,11 @@ class Resumer:
             gw.notify_capacity(pool.name)
             if broke2 is None:
                 return None
+            for i in range(len(fwd.attempts) - 1, -1, -1):  # its span ends here, broken
+                a = fwd.attempts[i]
+                if a[0] == name and a[5] == f"{RESUMED}{cont.offset}":
+                    fwd.attempts[i] = (*a[:3], fwd.t_last, a[4], f"{a[5]}:broken_mid_stream")
+                    break
             broke, excluded = broke2, excluded | {name}
             trigger = trigger_of(broke2, reshaper.broken, state.drained)
 

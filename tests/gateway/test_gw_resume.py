@@ -5,6 +5,7 @@ a resumed answer must equal the uninterrupted one, id for id."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,13 +15,15 @@ import pytest
 
 from gateway import create_app, parse_config
 from simulator.fleet import Fleet
-from tests.support import start_server
+from tests.support import poll_until, start_server
 
 MAX = 24
 
 
 @contextlib.asynccontextmanager
-async def resume_rig(n: int = 2, **pool: Any) -> AsyncIterator[tuple[str, Fleet, Any]]:
+async def resume_rig(
+    n: int = 2, tracing: Any = None, **pool: Any
+) -> AsyncIterator[tuple[str, Fleet, Any]]:
     """`n` simulated replicas behind a gateway (admin key `k`)."""
     async with Fleet(n=n, speedup=1000.0) as fleet:
         cfg = {"pools": {"chat": {
@@ -30,7 +33,7 @@ async def resume_rig(n: int = 2, **pool: Any) -> AsyncIterator[tuple[str, Fleet,
             "timeouts": {"connect_s": 1, "first_byte_s": 5, "idle_s": 1, "total_s": 30},
             **pool,
         }}, "server": {"admin_key": "k"}}  # fmt: skip
-        app = create_app(parse_config(cfg))
+        app = create_app(parse_config(cfg), tracing=tracing)
         gw = await start_server(app, lifespan="on")
         try:
             yield gw.url, fleet, app
@@ -206,3 +209,29 @@ async def test_a_cordoned_replica_hands_its_streams_over() -> None:
         got = answer(events(b"".join(chunks)), True)[0]
         assert got == want
         assert (await resumes(url)).get(("drain", "resumed")) == 1
+
+
+async def test_the_log_and_the_trace_show_the_resume(caplog: pytest.LogCaptureFixture) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from gateway.telemetry.logs import AccessLine
+    from gateway.telemetry.tracing import Tracing
+
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(None, exporter=exporter, environ={})
+    try:
+        async with resume_rig(tracing=tracing) as (url, fleet, _):
+            model = fleet.replicas[0].model_name
+            await fault_all(fleet, mode="die_midstream", after_chunks=7, count=1)
+            await stream(url, "/v1/completions", body(False, model))
+            await poll_until(lambda: len(exporter.get_finished_spans()) > 0, 5)
+    finally:
+        tracing.shutdown()
+    line = next(r.msg.fields for r in caplog.records if isinstance(r.msg, AccessLine))
+    assert line["outcome"] == "ok" and line["resumes"] == 2 and line["resumed_at"] == 7
+    assert line["output_tokens"] == MAX and line["retries"] == 0
+    attempts = [dict(s.attributes or {}) for s in exporter.get_finished_spans()
+                if s.name == "upstream.attempt"]  # fmt: skip
+    assert [a.get("error.type") for a in attempts] == ["broken_mid_stream"] * 2 + [None]
+    assert [a.get("gateway.resume.offset") for a in attempts] == [None, 7, 14]
