@@ -235,3 +235,24 @@ async def test_the_log_and_the_trace_show_the_resume(caplog: pytest.LogCaptureFi
                 if s.name == "upstream.attempt"]  # fmt: skip
     assert [a.get("error.type") for a in attempts] == ["broken_mid_stream"] * 2 + [None]
     assert [a.get("gateway.resume.offset") for a in attempts] == [None, 7, 14]
+
+
+async def test_a_replica_a_reload_removes_hands_its_streams_over() -> None:
+    async with resume_rig(n=2) as (url, fleet, app):
+        model = fleet.replicas[0].model_name
+        long = body(True, model, max_tokens=400, ignore_eos=True)
+        want = answer(await stream(url, "/v1/chat/completions", long), True)[0]
+        async with httpx.AsyncClient(timeout=30) as h, \
+                h.stream("POST", url + "/v1/chat/completions", json=long) as r:  # fmt: skip
+            chunks = []
+            async for chunk in r.aiter_raw():
+                chunks.append(chunk)
+                if len(chunks) == 3:
+                    gw = app.gateway
+                    busy = next(x for x in gw.all_replicas() if x.streams)
+                    cfg = gw.config.model_dump()
+                    pool = cfg["pools"]["chat"]
+                    pool["replicas"] = [rc for rc in pool["replicas"] if rc["name"] != busy.name]
+                    await gw.reconfigure(parse_config(cfg))
+        assert answer(events(b"".join(chunks)), True)[0] == want
+        assert (await resumes(url)).get(("drain", "resumed")) == 1
