@@ -84,7 +84,8 @@ class ReplicaState:
     # replica heard from within `dead_after_s` that only times out is busy, not dead
     heard_at: float = field(default_factory=time.monotonic)
     busy: int = 0  # timeouts not counted against its circuit: it was heard from (`failed`)
-    draining: bool = False  # removed by a change, or cordoned (admin API): no new requests
+    draining: bool = False  # removed by a change, or cordoned: in no new snapshot's choice
+    cordoned: bool = False  # drained through the admin API: no request is routed to it
     # its live streams that can resume elsewhere: each callable hands one over (`hand_over`)
     streams: set[Callable[[], None]] = field(default_factory=set)
     inflight: int = 0
@@ -203,7 +204,7 @@ class ReplicaState:
             url=self.url,
             pool=self.pool,
             healthy=self.circuit.current(now) != OPEN,
-            draining=self.draining,
+            draining=self.cordoned,
             circuit=self.circuit.state,
             models=self.models,
             inflight=self.inflight + self.peer_inflight,

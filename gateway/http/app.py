@@ -318,7 +318,7 @@ def create_app(
             return _error(NotFound(f"Unknown path {request.url.path}", code="unknown_url"))
         handed = 0
         for r in found:
-            r.draining = action == "drain"
+            r.draining = r.cordoned = action == "drain"
             if r.draining:
                 handed += r.hand_over()
             gateway.notify_capacity(r.pool)

@@ -166,7 +166,7 @@ class Failover:
             tap = row.tap(strip) if state is None or state.refused else state.tap(strip)
             early = None if learn is None else _learn_early(tap, fwd, learn)
             if state is not None and current is not None:
-                state.watch(current.replica, opened.resp)
+                state.watch(current.replica, opened.resp, out.pool)
             try:
                 broke = await relay_stream(
                     opened, writer, extra, tap, early, live=self.gw.live_streams,

@@ -36,6 +36,7 @@ from gateway.upstream.outbound import Forwarded, Outbound
 from gateway.upstream.proxy import Opened, Retryable, open_upstream
 
 if TYPE_CHECKING:
+    from gateway.fleet.pools import Pool
     from gateway.fleet.replicas import ReplicaState
     from gateway.runtime import Gateway
 
@@ -313,28 +314,42 @@ class StreamResume:
         self.drained = False  # the stream now relayed was ended by a drain
         self._resp: UpstreamResponse | None = None
         self._on: ReplicaState | None = None
+        self._pool: Pool | None = None
 
     def tap(self, strip_usage: bool) -> IdsTap:
         return IdsTap(strip_usage, self.ledger, strip_ids=not self.ledger.asked_ids)
 
-    def watch(self, replica: ReplicaState, resp: UpstreamResponse) -> None:
-        """Relaying `resp` from `replica`: a drain of it hands this stream over."""
+    def watch(self, replica: ReplicaState, resp: UpstreamResponse, pool: Pool) -> None:
+        """Relaying `resp` from `replica` of `pool`: a drain of it hands this stream over."""
         self.unwatch()
-        self._resp, self._on = resp, replica
+        self._resp, self._on, self._pool = resp, replica, pool
         replica.streams.add(self.leave)
-        if replica.draining:
+        if replica.cordoned:
             self.leave()
 
     def unwatch(self) -> None:
         if self._on is not None:
             self._on.streams.discard(self.leave)
-        self._resp = self._on = None
+        self._resp = self._on = self._pool = None
 
     def leave(self) -> None:
-        """The replica drains: end its stream here; the relay resumes it elsewhere."""
-        if self._resp is not None and "drain" in self.cfg.on and self.refused is None:
-            self.drained = True
-            self._resp.abort()
+        """The replica drains: end its stream here, for the relay to resume it elsewhere, when
+        it can be (else it finishes where it is, as before)."""
+        ledger, on, pool = self.ledger, self._on, self._pool
+        if self._resp is None or on is None or pool is None or "drain" not in self.cfg.on:
+            return
+        if self.left <= 0:
+            return
+        if self.refused is not None or ledger.unresumable is not None or ledger.finish:
+            return
+        if not ledger.exact and not (self.cfg.from_text and ledger.text):
+            return
+        now = time.monotonic()
+        if not any(r is not on and not r.draining and r.available(now)
+                   for r in pool.replicas):  # fmt: skip
+            return
+        self.drained = True
+        self._resp.abort()
 
 
 def trigger_of(broke: GatewayError, broken: str | None, drained: bool) -> str:
@@ -397,7 +412,7 @@ class Resumer:
             name = disp.replica.name
             fwd.resumes.append((name, cont.offset, trigger, outcome))
             state.drained = False
-            state.watch(disp.replica, opened.resp)
+            state.watch(disp.replica, opened.resp, pool)
             reshaper = Reshaper(ledger, cont.exact, fwd.input_tokens)
             first_at = [0]  # time_ns of its first token to the client
             t_sent = time.time_ns()
@@ -472,9 +487,10 @@ class Resumer:
         routing = Routing(out.routing.routed, out.routing.prompt, 0)
         await router.match(pool, routing)
         decision = router.choose(pool, routing)
-        # never the replica that just failed; those that failed before, last
-        names = [n for n in decision.ranked if n != fwd.replica and n not in excluded]
-        names += [n for n in decision.ranked if n != fwd.replica and n in excluded]
+        # never the replica that just failed; those that failed before or drain, last
+        later = excluded | {r.name for r in pool.replicas if r.draining}
+        names = [n for n in decision.ranked if n != fwd.replica and n not in later]
+        names += [n for n in decision.ranked if n != fwd.replica and n in later]
         for name in names[: pc.retries + 1]:
             left = (deadline - time.perf_counter_ns()) / 1e9
             if left <= 0:
