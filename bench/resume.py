@@ -176,6 +176,12 @@ async def run(urls: list[str], kill: Any, args: argparse.Namespace, tokenizer: s
     print(f"streams whole: {len(whole)}/{len(got)} ({len(whole) / len(got):.0%}); exact (ids "
           f"and text equal to the reference): {len(exact)}/{len(got)}; client errors: "
           f"{sum(bool(s.errors) for s in got)}")  # fmt: skip
+    diverged = [next((j for j, (a, b) in enumerate(zip(s.ids, ref[s.prompt].ids, strict=False)) if a != b),
+                     min(len(s.ids), len(ref[s.prompt].ids)))
+                for s in got if s not in exact]  # fmt: skip
+    if diverged:
+        print(f"not exact: first differing token at {sorted(diverged)} (batching changes a "
+              "bf16 CPU engine's greedy argmax too: compare with the undisturbed runs)")
     print("resumes (trigger, outcome): " + ", ".join(
         f"{k[0]}/{k[1]}={v:.0f}" for k, v in sorted(resumes.items()) if v))  # fmt: skip
     print(f"resume gap (client-measured, {len(gaps)} resumed streams): p50 "
