@@ -30,7 +30,7 @@ async def resume_rig(
             "replicas": [{"url": r.url, "name": f"r{i}"} for i, r in enumerate(fleet.replicas)],
             "policy": "round_robin",
             "health": {"interval_s": 0.2, "timeout_s": 0.5},
-            "timeouts": {"connect_s": 1, "first_byte_s": 5, "idle_s": 1, "total_s": 30},
+            "timeouts": {"connect_s": 1, "first_byte_s": 5, "idle_s": 0.4, "total_s": 30},
             **pool,
         }}, "server": {"admin_key": "k"}}  # fmt: skip
         app = create_app(parse_config(cfg), tracing=tracing)
