@@ -395,9 +395,17 @@ class Resumer:
                 await writer.write(finish_bytes(ledger, ledger.usage or _usage_of(ledger)))
                 gw.metrics.resumes.labels(pool.name, trigger, "resumed").inc()
                 return None
+            room = None  # what the context leaves a request that set no max_tokens
+            if state.req.max_tokens is None:
+                context = pool.max_model_len()
+                used = len(ledger.prompt_ids or ()) + (ledger.offset or ledger.chunks)
+                room = None if context is None or not ledger.exact else context - used
+                if room is None or room <= 0:
+                    why_len = "no max_tokens, and the engine's context is not known"
+                    gw.metrics.resumes.labels(pool.name, trigger, "not_resumable").inc()
+                    return type(broke)(f"{broke.message}; not resumed: {why_len}", code=broke.code)
             state.left -= 1
-            cont = continuation(state.req, orjson.loads(out.body), ledger,
-                                pool.answer_bound(len(ledger.prompt_ids or ())) or None)  # fmt: skip
+            cont = continuation(state.req, orjson.loads(out.body), ledger, room)
             if cont is None:  # max_tokens reached, its finish chunk lost
                 ledger.finish = "length"
                 await writer.write(_length_chunk(ledger) + finish_bytes(ledger, _usage_of(ledger)))
