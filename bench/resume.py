@@ -7,11 +7,12 @@ which also warms the prefix caches), then again while one replica is killed (SIG
 another drained through the admin API once the streams are under way. Every answer of the second
 run is checked against the first, id for id (the gateway relays the ids the client asks for) and
 text for text; its length must be its `max_tokens` and its usage must count each token once.
+The kill comes once every stream has its first token (a failure before it is a plain failover).
 
 Printed: the share of streams that finished whole and exact; the resumes by trigger and outcome
 (`gateway_stream_resumes_total`); the resume gap p50/p99 (the client's wait between the last
-token before the failure and the first after it, measured by the client: the widest gap of each
-resumed stream); and the extra prefill a resume costs against starting over: the tokens the
+token before the failure and the first after it: the request log's `resume_gap_s`); and the
+extra prefill a resume costs against starting over: the tokens the
 continuations' engines computed (their prompt less what was cached) over what a restart would
 compute (each resumed answer's prompt and the tokens it had already sent, generated again).
 
@@ -37,6 +38,7 @@ from typing import Any
 import httpx
 import orjson
 
+from bench.access_log import access_lines
 from bench.harness import serving
 from gateway import create_app, parse_config
 
@@ -66,8 +68,20 @@ def prompts(n: int) -> list[list[dict[str, str]]]:
             for i in range(n)]  # fmt: skip
 
 
+class Started:
+    """Set once `n` streams have their first tokens."""
+
+    def __init__(self, n: int) -> None:
+        self.left, self.event = n, asyncio.Event()
+
+    def one(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.event.set()
+
+
 async def one(http: httpx.AsyncClient, url: str, i: int, messages: Any, n: int,
-              started: asyncio.Event | None = None) -> Stream:  # fmt: skip
+              started: Started | None = None) -> Stream:  # fmt: skip
     s = Stream(i)
     body = {"model": MODEL, "messages": messages, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True,
@@ -92,8 +106,9 @@ async def one(http: httpx.AsyncClient, url: str, i: int, messages: Any, n: int,
                         s.ids.extend(got)
                         s.times.append(time.monotonic())
                     texts.append(c["delta"].get("content") or "")
-            if started is not None and len(s.ids) >= 8:
-                started.set()
+            if started is not None and s.ids:
+                started.one()
+                started = None
     s.text = "".join(texts)
     return s
 
@@ -134,34 +149,33 @@ async def run(urls: list[str], kill: Any, args: argparse.Namespace, tokenizer: s
                                      for i, m in enumerate(msgs)))  # fmt: skip
         ref_s = time.monotonic() - t0
         bad_ref = [s.prompt for s in ref if s.errors or len(s.ids) != args.max_tokens]
-        started = asyncio.Event()
+        started = Started(len(msgs))
         t0 = time.monotonic()
-        tasks = [asyncio.ensure_future(one(http, gw.url, i, m, args.max_tokens, started))
-                 for i, m in enumerate(msgs)]  # fmt: skip
-        await started.wait()
-        await asyncio.sleep(args.delay_s)
-        snap = app.gateway.current
-        live = {r.name: len(r.streams) for r in snap.replicas()}
-        victim, drained = sorted(live, key=lambda n: -live[n])[:2]  # the busiest two
-        kill(int(victim[1:]))
-        t_kill = time.monotonic()
-        await asyncio.sleep(args.delay_s)
-        res = await http.post(gw.url + f"/admin/replicas/{drained}/drain",
-                              headers={"authorization": f"Bearer {KEY}"})  # fmt: skip
-        t_drain = time.monotonic()
-        got = await asyncio.gather(*tasks)
-        run_s = time.monotonic() - t0
-        metrics = (await http.get(gw.url + "/metrics")).text
+        with access_lines() as log:
+            tasks = [asyncio.ensure_future(one(http, gw.url, i, m, args.max_tokens, started))
+                     for i, m in enumerate(msgs)]  # fmt: skip
+            await started.event.wait()  # every stream under way: a failure now is mid-stream
+            await asyncio.sleep(args.delay_s)
+            snap = app.gateway.current
+            live = {r.name: len(r.streams) for r in snap.replicas()}
+            victim, drained = sorted(live, key=lambda n: -live[n])[:2]  # the busiest two
+            kill(int(victim[1:]))
+            t_kill = time.monotonic()
+            await asyncio.sleep(args.delay_s)
+            res = await http.post(gw.url + f"/admin/replicas/{drained}/drain",
+                                  headers={"authorization": f"Bearer {KEY}"})  # fmt: skip
+            t_drain = time.monotonic()
+            got = await asyncio.gather(*tasks)
+            run_s = time.monotonic() - t0
+            metrics = (await http.get(gw.url + "/metrics")).text
     resumes = metric(metrics, "gateway_stream_resumes_total", "trigger", "outcome")
     tokens = {k[0]: v for k, v in metric(metrics, "gateway_stream_resume_tokens_total", "kind").items()}
     whole = [s for s in got if not s.errors and len(s.ids) == args.max_tokens
              and (s.usage or {}).get("completion_tokens") == args.max_tokens]  # fmt: skip
     exact = [s for s in whole if s.ids == ref[s.prompt].ids and s.text == ref[s.prompt].text]
     resumed_n = int(sum(v for k, v in resumes.items() if k[1] in ("resumed", "inexact")))
-    # a resumed stream's widest gap spans its break (after the kill or the drain)
-    gaps = sorted((s.widest_gap() for s in got if s.times and s.times[-1] > t_kill),
-                  reverse=True)[:resumed_n]  # fmt: skip
-    normal = [b - a for s in ref for a, b in zip(s.times, s.times[1:], strict=False)]
+    gaps = [float(line["resume_gap_s"]) for line in log if line.get("resume_gap_s") is not None]
+    normal = [s.widest_gap() for s in ref]
     prompt_tokens = statistics.mean((s.usage or {}).get("prompt_tokens", 0) for s in ref)
     relayed = tokens.get("relayed", 0.0)
     restart = resumed_n * prompt_tokens + relayed
@@ -184,9 +198,10 @@ async def run(urls: list[str], kill: Any, args: argparse.Namespace, tokenizer: s
               "bf16 CPU engine's greedy argmax too: compare with the undisturbed runs)")
     print("resumes (trigger, outcome): " + ", ".join(
         f"{k[0]}/{k[1]}={v:.0f}" for k, v in sorted(resumes.items()) if v))  # fmt: skip
-    print(f"resume gap (client-measured, {len(gaps)} resumed streams): p50 "
-          f"{pct(gaps, 0.5) * 1000:.0f} ms, p99 {pct(gaps, 0.99) * 1000:.0f} ms; undisturbed "
-          f"inter-token gap p50 {pct(normal, 0.5) * 1000:.1f} ms")  # fmt: skip
+    print(f"resume gap ({len(gaps)} resumed streams; the last token before the failure to the "
+          f"first after, request log): p50 {pct(gaps, 0.5) * 1000:.0f} ms, p99 "
+          f"{pct(gaps, 0.99) * 1000:.0f} ms; widest gap of an undisturbed stream: p50 "
+          f"{pct(normal, 0.5) * 1000:.0f} ms, p99 {pct(normal, 0.99) * 1000:.0f} ms")  # fmt: skip
     print(f"extra prefill: resumes computed {prefilled:.0f} prompt tokens (cached "
           f"{tokens.get('cached', 0):.0f}, relayed {relayed:.0f}); a restart of each would "
           f"compute {restart:.0f} (its prompt and the tokens sent again): resume/restart = "

@@ -248,6 +248,7 @@ class Recorder:
                     max(0, len(sent.tried) - 1 - len(sent.resumes)), rec.policy or None,
                     rec.reason or None, len(sent.resumes),
                     sent.resumes[0][1] if sent.resumes else None,
+                    round(max(sent.resume_gaps), 6) if sent.resume_gaps else None,
                 )
             )
         )
