@@ -197,13 +197,15 @@ class ResumeConfig(_Strict):
     first byte goes on on another replica (docs/resume.md). `attempts`: resumes a request may
     use; `on`: the failures that trigger one; `engine`: how its replicas give token ids (vLLM:
     chat and completions; SGLang: completions only); `from_text`: an answer without ids (a
-    SGLang chat) goes on from its text (`continue_final_message`), counted inexact."""
+    SGLang chat) goes on from its text (`continue_final_message`), counted inexact; `whole`: a
+    non-streamed request is streamed from the engine and answered whole, so that it resumes too."""
 
     enabled: bool = True
     attempts: int = Field(2, ge=1, le=10)
     on: tuple[ResumeTrigger, ...] = RESUME_TRIGGERS
     engine: Literal["vllm", "sglang"] = "vllm"
     from_text: bool = False
+    whole: bool = False  # non-streamed answers are streamed from the engine, answered whole
 
 
 class LoraConfig(_Strict):

@@ -9,9 +9,12 @@ replica, the policy and the index exactly once (`Dispatch`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from gateway.api.streams import StreamTap
 from gateway.config import PoolConfig, TimeoutsConfig
@@ -25,6 +28,7 @@ from gateway.errors import (
 )
 from gateway.http.writer import ResponseWriter
 from gateway.routing.router import Dispatch
+from gateway.upstream.client import UpstreamBrokenError
 from gateway.upstream.outbound import Forwarded, Outbound
 from gateway.upstream.proxy import (
     Opened,
@@ -32,9 +36,19 @@ from gateway.upstream.proxy import (
     normalize_error_body,
     open_upstream,
     relay_stream,
+    response_headers,
     send_whole,
 )
-from gateway.upstream.resume import Resumer, StreamResume, trigger_of, wants_ids, with_ids
+from gateway.upstream.resume import (
+    NoClient,
+    Resumer,
+    StreamResume,
+    streamed_body,
+    trigger_of,
+    wants_ids,
+    whole_answer,
+    with_ids,
+)
 
 if TYPE_CHECKING:
     from gateway.routing.lora_placement import LoraPlacement
@@ -70,8 +84,14 @@ class Failover:
         attempt: Dispatch | None = first
         state = self.resumable(out)
         body = out.body
+        stream = req.stream
         if state is not None and state.refused is None and wants_ids(req, pc.resume.engine):
-            body = with_ids(body, req.body)  # the ids a resume continues from
+            if req.stream:
+                body = with_ids(body, req.body)  # the ids a resume continues from
+            else:  # `resume.whole`: streamed from the engine, answered whole
+                body, stream = streamed_body(orjson.loads(body)), True
+        elif state is not None and not req.stream:
+            state = None  # a whole answer resumes only by ids
         while attempt is not None:
             current = attempt
             name = current.replica.name
@@ -87,7 +107,7 @@ class Failover:
                 try:
                     opened = await open_upstream(
                         gw.upstream, current.replica.url, path, body, out.headers,
-                        pc.timeouts, req.stream, left, gw.answers, out.answers_cap,
+                        pc.timeouts, stream, left, gw.answers, out.answers_cap,
                         method=out.kind.method, json_answer=out.kind.json_answer,
                     )  # fmt: skip
                 except ServerBusy:  # the gateway's own answer budget, not the replica's fault
@@ -138,9 +158,12 @@ class Failover:
         return fwd
 
     def resumable(self, out: Outbound) -> StreamResume | None:
-        """The resume of a streamed chat or completions request when its pool resumes (docs/resume.md)."""
+        """The resume of a chat or completions request when its pool resumes (docs/resume.md):
+        a stream's; a non-streamed one's with `resume.whole`."""
         req, cfg = out.req, out.pool.config.resume
-        if not cfg.enabled or not req.stream or out.kind.name not in ("chat", "completions"):
+        if not cfg.enabled or out.kind.name not in ("chat", "completions"):
+            return None
+        if not req.stream and not cfg.whole:
             return None
         return StreamResume(cfg, req, asked_ids=req.body.get("return_token_ids") is True)
 
@@ -161,7 +184,9 @@ class Failover:
         usage: Any
         row = out.kind
         learn = out.learn
-        if out.req.stream:
+        if not out.req.stream and state is not None:  # streamed from the engine: whole here
+            usage = await self._whole(out, opened, writer, fwd, state, current)
+        elif out.req.stream:
             strip = not out.req.include_usage
             tap = row.tap(strip) if state is None or state.refused else state.tap(strip)
             early = None if learn is None else _learn_early(tap, fwd, learn)
@@ -218,6 +243,67 @@ class Failover:
             )
         await writer.end(sse_error_event(still) if still is not None else b"")
         return still, state.ledger.usage if still is None else tap.usage
+
+
+    async def _whole(
+        self, out: Outbound, opened: Opened, writer: ResponseWriter, fwd: Forwarded,
+        state: StreamResume, current: Dispatch | None,
+    ) -> Any:  # fmt: skip
+        """A non-streamed answer the engine streams (`resume.whole`): collected into the
+        ledger, resumed on another replica if it breaks, then answered whole; its usage."""
+        tap = state.tap(strip_usage=True)
+        resp = opened.resp
+        if current is not None:
+            state.watch(current.replica, resp, out.pool)
+        broke: GatewayError | None = None
+        ended = False
+        try:
+            chunk = opened.first
+            while True:
+                tap.feed(chunk)
+                if tap.broken is not None or tap.done:
+                    break
+                chunk = await resp.read_chunk()
+                if not chunk:
+                    ended = True
+                    break
+        except asyncio.CancelledError:
+            resp.abort()
+            raise
+        except TimeoutError:
+            broke = UpstreamTimeout("The upstream replica stopped sending mid-answer (timeout)")
+        except UpstreamBrokenError as exc:
+            broke = UpstreamError(f"The upstream replica failed mid-answer ({exc})")
+        finally:
+            state.unwatch()
+        if broke is None and tap.broken is not None:
+            broke = UpstreamError(f"The upstream replica sent {tap.broken}")
+        elif broke is None and not tap.done:
+            broke = UpstreamError("The upstream replica ended the answer before its end")
+        if ended or tap.done:
+            resp.release()
+        else:
+            resp.abort()
+        fwd.t_last = time.perf_counter_ns()
+        if broke is not None:
+            trigger = trigger_of(broke, tap.broken, state.drained)
+            if fwd.attempts:
+                name, url, t0, _, status, _ = fwd.attempts[-1]
+                fwd.attempts[-1] = (name, url, t0, fwd.t_last, status, "broken_mid_stream")
+            broke = await self.resumer.resume(
+                out, state, broke, trigger, NoClient(), fwd, fwd.replica,  # type: ignore[arg-type]
+                tap.last_ns or time.time_ns(),
+            )
+        if broke is not None:
+            fwd.outcome, fwd.error_type = "broken_mid_stream", broke.type
+            fwd.error = broke  # nothing reached the client: the pipeline answers the error
+            return None
+        headers = [(k, v) for k, v in response_headers(opened.resp, out.answer_headers())
+                   if k != b"content-type"]  # fmt: skip
+        headers.append((b"content-type", b"application/json"))
+        await writer.whole(200, headers, whole_answer(state.ledger))
+        fwd.t_last = time.perf_counter_ns()
+        return state.ledger.usage
 
 
 def _learn_early(

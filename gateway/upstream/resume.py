@@ -597,3 +597,42 @@ def _length_chunk(ledger: Ledger) -> bytes:
     c["finish_reason"], c["stop_reason"] = "length", None
     shaped["choices"] = [c]
     return b"data: " + orjson.dumps(shaped) + b"\n\n"
+
+
+# --- non-streamed answers, streamed from the engine (`resume.whole`) ------------------------------
+class NoClient:
+    """What a resume writes to when the client waits for a whole answer: nothing goes out; the
+    ledger keeps the answer."""
+
+    async def write(self, chunk: bytes) -> None:
+        return None
+
+
+def streamed_body(sent: dict[str, Any]) -> bytes:
+    """A non-streamed request's body as sent on, asked as a stream with ids and usage."""
+    return orjson.dumps({**sent, "stream": True, "stream_options": {"include_usage": True},
+                         "return_token_ids": True})  # fmt: skip
+
+
+def whole_answer(ledger: Ledger) -> bytes:
+    """The non-streamed answer the ledger holds, in the engine's shape."""
+    text = "".join(ledger.text)
+    out: dict[str, Any] = {k: v for k, v in ledger.template.items() if k != "object"}
+    choice: dict[str, Any]
+    if ledger.chat:
+        out["object"] = "chat.completion"
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": ledger.finish, "stop_reason": ledger.stop_reason}  # fmt: skip
+    else:
+        out["object"] = "text_completion"
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ledger.finish,
+                  "stop_reason": ledger.stop_reason}  # fmt: skip
+    if ledger.asked_ids:
+        choice["token_ids"] = ledger.ids
+        if ledger.chat:
+            out["prompt_token_ids"] = ledger.prompt_ids
+        else:
+            choice["prompt_token_ids"] = ledger.prompt_ids
+    out["choices"] = [choice]
+    out["usage"] = ledger.usage or _usage_of(ledger)
+    return orjson.dumps(out)

@@ -256,3 +256,25 @@ async def test_a_replica_a_reload_removes_hands_its_streams_over() -> None:
                     await gw.reconfigure(parse_config(cfg))
         assert answer(events(b"".join(chunks)), True)[0] == want
         assert (await resumes(url)).get(("drain", "resumed")) == 1
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+async def test_a_whole_answer_resumes_before_it_is_sent(chat: bool) -> None:
+    """`resume.whole`: a non-streamed request is streamed from the engine and answered whole;
+    its replica dying mid-answer costs the client nothing (the engine's own answer, same text,
+    ids and usage)."""
+    async with resume_rig(resume={"whole": True}) as (url, fleet, _):
+        model = fleet.replicas[0].model_name
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        b = body(chat, model, stream=False, return_token_ids=True)
+        async with httpx.AsyncClient(timeout=30) as h:
+            direct = (await h.post(fleet.urls[0] + path, json=b)).json()
+            await fault_all(fleet, mode="die_midstream", after_chunks=9, count=1)
+            got = (await h.post(url + path, json=b)).json()
+        key = "message" if chat else "text"
+        c, d = got["choices"][0], direct["choices"][0]
+        assert (c[key], c["token_ids"], c["finish_reason"]) == (d[key], d["token_ids"], "length")
+        assert {k: got["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} \
+            == {k: direct["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}  # fmt: skip
+        assert got["object"] == direct["object"] and got["id"].startswith(direct["id"][:5])
+        assert (await resumes(url)).get(("reset", "resumed"), 0) >= 1
