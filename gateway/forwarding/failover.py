@@ -26,11 +26,8 @@ from gateway.errors import (
     UpstreamTimeout,
     sse_error_event,
 )
-from gateway.http.writer import ResponseWriter
-from gateway.routing.router import Dispatch
-from gateway.upstream.client import UpstreamBrokenError
-from gateway.upstream.outbound import Forwarded, Outbound
-from gateway.upstream.proxy import (
+from gateway.forwarding.outbound import Forwarded, Links, Outbound
+from gateway.forwarding.relay import (
     Opened,
     Retryable,
     normalize_error_body,
@@ -39,7 +36,7 @@ from gateway.upstream.proxy import (
     response_headers,
     send_whole,
 )
-from gateway.upstream.resume import (
+from gateway.forwarding.resume import (
     NoClient,
     Resumer,
     StreamResume,
@@ -49,19 +46,21 @@ from gateway.upstream.resume import (
     whole_answer,
     with_ids,
 )
+from gateway.routing.router import Dispatch
+from gateway.transport.errors import UpstreamBrokenError
+from gateway.transport.writer import ResponseWriter
 
 if TYPE_CHECKING:
-    from gateway.routing.lora_placement import LoraPlacement
-    from gateway.runtime import Gateway
+    from gateway.forwarding.lora_placement import LoraPlacement
 
 class Failover:
     """The plain pool's forwarder: the ranked candidates in turn (a managed LoRA adapter loaded
     on each first, `LoraPlacement.place`) until one answers."""
 
-    def __init__(self, gateway: Gateway, lora: LoraPlacement) -> None:
-        self.gw = gateway
+    def __init__(self, links: Links, lora: LoraPlacement) -> None:
+        self.gw = links
         self.lora = lora
-        self.resumer = Resumer(gateway)
+        self.resumer = Resumer(links)
 
     async def forward(
         self, out: Outbound, first: Dispatch, writer: ResponseWriter, fwd: Forwarded

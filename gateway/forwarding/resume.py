@@ -27,18 +27,18 @@ from gateway.api.streams import StreamTap
 from gateway.api.token_tap import IdsTap, Ledger
 from gateway.config import ResumeConfig
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
-from gateway.http.writer import ResponseWriter
+from gateway.forwarding.outbound import Forwarded, Links, Outbound
+from gateway.forwarding.relay import Opened, Retryable, open_upstream
 from gateway.limits.budgets import shutting_down
 from gateway.routing.router import Dispatch, Routing
 from gateway.telemetry.trace import RESUMED
-from gateway.upstream.client import UpstreamBrokenError, UpstreamResponse
-from gateway.upstream.outbound import Forwarded, Outbound
-from gateway.upstream.proxy import Opened, Retryable, open_upstream
+from gateway.transport.errors import UpstreamBrokenError
+from gateway.transport.response import UpstreamResponse
+from gateway.transport.writer import ResponseWriter
 
 if TYPE_CHECKING:
     from gateway.fleet.pools import Pool
     from gateway.fleet.replicas import ReplicaState
-    from gateway.runtime import Gateway
 
 # sampling fields a continuation carries over as they are (vLLM's and SGLang's names)
 CARRIED = (
@@ -371,8 +371,8 @@ class Resumer:
     """Continues broken streams of a plain pool (`Failover`'s): `resume` is called once the
     relay of the first replica's stream broke, with the client's stream still open."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+    def __init__(self, links: Links) -> None:
+        self.gw = links
 
     async def resume(
         self, out: Outbound, state: StreamResume, broke: GatewayError, trigger: str,
@@ -511,7 +511,7 @@ class Resumer:
                     pc.timeouts, True, left,
                 )  # fmt: skip
             except Retryable as exc:
-                from gateway.upstream.failover import attempt_outcome
+                from gateway.forwarding.failover import attempt_outcome
 
                 await disp.failed(exc.reason, exc.busy)
                 outcome = attempt_outcome(exc)
