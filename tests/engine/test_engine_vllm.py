@@ -449,7 +449,7 @@ async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) 
     before their first byte; the index forgets the dead replica."""
     config = engine.fleet.gateway_config(mode="tokens")
     prompt = [{"role": "system", "content": doc("dying", 300)}, *HELLO]
-    n, kill_at = 96, 24
+    n, kill_at = 512, 16  # long enough that the client reads it in many pieces
     body = chat(prompt, max_tokens=n, stream=True, ignore_eos=True, temperature=0,
                 return_token_ids=True, stream_options={"include_usage": True})  # fmt: skip
     async with gateway(config) as (gw, app), httpx.AsyncClient(timeout=300) as http:
@@ -470,7 +470,8 @@ async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) 
                 async for chunk in stream.aiter_bytes():
                     chunks.append(chunk)
                     seen += chunk.count(b'"token_ids":[')
-                    if kill_at <= seen < n and engine.fleet.members[victim].alive():
+                    if seen >= kill_at and engine.fleet.members[victim].alive():
+                        assert seen < n, "the whole answer came in one read: nothing to resume"
                         engine.fleet.kill(victim)
 
         await asyncio.wait_for(read(), 240)
