@@ -332,7 +332,7 @@ class Dispatch:
     """
 
     __slots__ = (
-        "index", "pool", "replica", "view", "routed", "hit_tokens", "uncached", "cold",
+        "index", "pool", "replica", "view", "routed", "hit_tokens", "uncached", "queued", "cold",
         "_prefilled", "_done", "_settled", "_unrecords", "adapter_load",
     )  # fmt: skip
 
@@ -349,6 +349,12 @@ class Dispatch:
         )  # fmt: skip
         hit = min(routed.prompt_tokens, int(view.hit_blocks * routed.tokens_per_block))
         self.hit_tokens, self.uncached = hit, routed.prompt_tokens - hit
+        # the prefill it queues there: what the replica recomputes. Tokens it holds on a lower
+        # tier are loaded, not recomputed (tens of ms, docs/tiers.md); counted as queued prefill
+        # they taught the ttft scorer that a queued token costs next to nothing on a replica that
+        # served tier hits, and it piled requests onto that replica (issue 42)
+        tiers = self.tier_tokens()
+        self.queued = self.uncached - (sum(tiers.values()) if tiers else 0)
         self._prefilled = self._done = self._settled = False
         self._unrecords = replica.unrecords
         # a new prefix for this replica: keyed by the chain's first COLD_KEY_BLOCKS blocks, so
@@ -357,7 +363,7 @@ class Dispatch:
         hashes = routed.block_hashes
         new_prefix = bool(hashes) and not view.hit_blocks
         self.cold = hashes[min(len(hashes), COLD_KEY_BLOCKS) - 1] if new_prefix else None
-        replica.dispatched(self.uncached, max(0, routed.n_blocks - view.hit_blocks), self.cold)
+        replica.dispatched(self.queued, max(0, routed.n_blocks - view.hit_blocks), self.cold)
         # a LoRA adapter: counted in flight there; None for a model that is no adapter of it
         lora = replica.lora
         self.adapter_load = lora.dispatched(routed.model) if lora.is_adapter(routed.model) else None
@@ -375,7 +381,7 @@ class Dispatch:
         """The first token arrived: the prompt is no longer queued prefill work."""
         if not self._prefilled:
             self._prefilled = True
-            self.replica.prefilled(self.uncached, self.cold)
+            self.replica.prefilled(self.queued, self.cold)
 
     async def failed(self, why: str, busy: bool = False) -> None:
         """The attempt failed before an answer: the replica's breaker counts it (unless it timed

@@ -27,6 +27,15 @@ Across a fleet of gateways (shared load, gateway/fleet/shared_load.py) each gate
 decayed sums (`share`) and folds in the others' (`absorb`): the sums add, so every gateway fits
 the same coefficients from all of the fleet's observations (as of the last tick or push).
 
+Each request in flight on a replica also holds KV until it ends. Where a replica's KV is nearly
+full of long prompts, a new request waits for those ahead to finish (their decode included),
+whatever its prefix hit: TTFT += hold_s x requests in flight (`ReplicaView.load`). `hold_s` is
+learned per pool from the residual of every TTFT against the fit (one-dimensional ridge toward
+0, decayed like the fit), and the fit learns from the TTFT without it. Where requests in flight
+do not hold new ones back (KV to spare), it stays near 0. Without it, repeats of a long document
+piled onto the replica that held it while its KV was full of them, and the TTFT p99 lost to
+round robin (bench/tiers.py, issue 42).
+
 Blocks a replica holds on a lower KV tier (`ReplicaView.tier_hits`: host memory, disk, the
 pool's shared store; docs/tiers.md) are priced in seconds by default (`tiers: seconds`): they
 are not recomputed but loaded, at tokens x `kv_bytes_per_token` / that tier's bandwidth
@@ -94,6 +103,25 @@ class _Fit:
 _WIDTH = 10  # numbers a shared fit carries: xx (6), xy (3), n; then a replica's tier sums
 
 
+class _Hold:
+    """Seconds each request in flight on a replica adds to a new one's TTFT (it holds KV the
+    new one may need): decayed sums of n x residual and n^2, ridge toward 0 with `prior`."""
+
+    __slots__ = ("nr", "nn", "prior", "decay", "s")
+
+    def __init__(self, prior: float, decay: float) -> None:
+        self.nr = self.nn = self.s = 0.0
+        self.prior, self.decay = prior, decay
+
+    def learn(self, n: int, residual_s: float) -> None:
+        if n <= 0 or not math.isfinite(residual_s):
+            return
+        d = self.decay
+        self.nr = d * self.nr + n * min(max(residual_s, -3600.0), 3600.0)
+        self.nn = d * self.nn + n * n
+        self.s = max(0.0, self.nr / (self.nn + self.prior))
+
+
 class TTFTScorer(Scorer):
     name = "ttft"
     needs_prefix = True  # the uncached part of the prompt is what a replica must prefill
@@ -147,6 +175,7 @@ class TTFTScorer(Scorer):
         self._peer: dict[str, list[float]] = {}  # the other gateways' sums, per replica
         self._pooled = self.prior  # what a replica without observations is predicted with
         self.lora = LoraCost(lora_load_s)  # what a request's LoRA adapter adds, in seconds
+        self.hold = _Hold(float(prior_weight), float(decay))  # per request in flight, seconds
         # per replica, the measured tier rates its last prediction used: observe() takes the
         # load term out of the TTFT at the same rates
         self._measured: dict[str, Mapping[str, tuple[float, float]]] = {}
@@ -169,19 +198,21 @@ class TTFTScorer(Scorer):
             if measured is not None:
                 self._saw(view.name, measured)
             uncached, load = self._tiered(view.tier_hits, uncached, req.tokens_per_block, measured)
-        t = a + b * uncached + c * view.inflight_prompt_tokens + load
+        t = a + b * uncached + c * view.inflight_prompt_tokens + load + self.hold.s * view.load
         if view.lora is not None:
             t += self.lora.extra_s(req.model, view.lora)
         return max(_FLOOR_S, t)
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:
         coef, prior, seen = self._coef, self._pooled, self._measured
-        prompt, tpb = req.prompt_tokens, req.tokens_per_block
+        prompt, tpb, hold = req.prompt_tokens, req.tokens_per_block, self.hold.s
         pred: dict[str, float] = {}
         for v in views:
             a, b, c = coef.get(v.name, prior)
             uncached = prompt - v.hit_blocks * tpb
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
+            if hold:
+                t += hold * v.load
             if v.tier_hits and self.tiers != "off":
                 measured = v.tier_load_rates
                 if measured is not None and seen.get(v.name) is not measured:
@@ -256,9 +287,13 @@ class TTFTScorer(Scorer):
             for t, n in tiers.items():
                 y -= n * self._s_per_token(t, measured, 0.0)
             y = max(0.0, y)
+        n = outcome.load_at_dispatch
         if outcome.adapter_load:  # learn the load from the residual, fit the rest without it
-            self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK))
+            self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK + self.hold.s * n))
             y = max(0.0, y - self.lora.load_s)
+        if n > 0:  # the wait for requests ahead to free KV: learned apart, fit without it
+            self.hold.learn(n, y - (a + b * u * _KTOK + c * q * _KTOK))
+            y = max(0.0, y - self.hold.s * n)
         fit.add(u, q, y, self._decay)
         self._coef[outcome.replica] = self._solve(fit, self._peer.get(outcome.replica))
         self._pool()
@@ -329,8 +364,15 @@ class TTFTScorer(Scorer):
             for i in range(3):
                 xy[i] += peer[6 + i]
         s00, s01, s02, s11, s12, s22 = m
-        z = [s00 + w, s01 + s02, s02, s11 + 2 * s12 + s22 + w, s12 + s22, s22 + w]
-        v = [xy[0] + w * p[0], xy[1] + xy[2] + w * p[1], xy[2]]
+        # the prior is worth `w` observations of the size seen: its weight on each slope is w x
+        # the mean square of that feature (at least 1K tokens'), so one request of 6K tokens
+        # does not outweigh it 36 times (issue 42: one stale queue count, a request that rode on
+        # a prefix almost prefilled, took c to a sixth of b, and the replica drew every request)
+        sq1 = s11 + 2 * s12 + s22
+        w1 = w * max(1.0, sq1 / s00) if s00 > 0 else w
+        w2 = w * max(1.0, s22 / s00) if s00 > 0 else w
+        z = [s00 + w, s01 + s02, s02, sq1 + w1, s12 + s22, s22 + w2]
+        v = [xy[0] + w * p[0], xy[1] + xy[2] + w1 * p[1], xy[2]]
         theta = solve3(z, v) or (p[0], p[1], 0.0)
         a, b, extra = theta
         return max(0.0, a), max(0.0, b) / _KTOK, max(0.0, b + extra) / _KTOK
