@@ -122,7 +122,7 @@ class TierRouter(PreciseDesRouter):
                 # the queue as of the scrape's time (the DES snapshot), the counters as of now
                 sample.waiting, sample.running = load.waiting, load.running
                 sample.kv_usage = load.kv_usage
-                r.took_sample(sample, load.scraped_at_s)
+                r.took_scrape(sample, None, load.scraped_at_s)
 
     async def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
         self.now = req.arrival_s

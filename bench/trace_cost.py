@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=16, help="windows, half of them traced")
     p.add_argument("--window-s", type=float, default=3.0)
     p.add_argument("--check", action="store_true", help="exit 1 when the goal is not met")
+    p.add_argument("--profile", metavar="PATH", help="py-spy the traced gateway (all threads, "
+                   "its windows and the periods' rest) into PATH, collapsed stacks")
     args = p.parse_args(argv)
 
     import uvloop
@@ -146,7 +148,18 @@ def main(argv: list[str] | None = None) -> int:
                 out.append((k, cpu, n))
             return out
 
+        spy = None
+        if args.profile:  # sampling from outside: the gateway runs as operated
+            seconds = int((args.windows + 2) * args.window_s + 2)
+            spy = subprocess.Popen(
+                [str(gateway_bin.parent / "py-spy"), "record", "--pid", str(gws[1][2]),
+                 "--duration", str(seconds), "--format", "raw", "--threads", "--nonblocking",
+                 "--rate", "250", "-o", args.profile], stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)  # fmt: skip
+            procs.append(spy)
         marks = uvloop.run(run())
+        if spy is not None:
+            spy.wait(60)
         per: list[tuple[bool, float]] = []  # traced, CPU µs per request over its period
         for i, (k, cpu, n) in enumerate(marks[:-2]):
             nxt = marks[i + 2]

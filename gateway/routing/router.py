@@ -332,7 +332,7 @@ class Dispatch:
     """
 
     __slots__ = (
-        "index", "pool", "replica", "view", "routed", "hit_tokens", "uncached", "queued", "cold",
+        "index", "pool", "replica", "view", "routed", "hit_tokens", "uncached", "queued", "cold", "rides",
         "_prefilled", "_done", "_settled", "_unrecords", "adapter_load",
     )  # fmt: skip
 
@@ -362,8 +362,13 @@ class Dispatch:
         # before either's blocks reached the shared index) is counted once across the fleet
         hashes = routed.block_hashes
         new_prefix = bool(hashes) and not view.hit_blocks
-        self.cold = hashes[min(len(hashes), COLD_KEY_BLOCKS) - 1] if new_prefix else None
-        replica.dispatched(self.queued, max(0, routed.n_blocks - view.hit_blocks), self.cold)
+        key = hashes[min(len(hashes), COLD_KEY_BLOCKS) - 1] if hashes else None
+        self.cold = key if new_prefix else None
+        # its hit is a prefix placed here and not yet prefilled: it waits for the rest of that
+        # prefill, which the queued count overstates (issue 42), so its TTFT teaches nothing
+        self.rides = not new_prefix and key is not None and key in replica.cold
+        replica.dispatched(self.queued, max(0, routed.n_blocks - view.hit_blocks), self.cold,
+                           routed.prompt_tokens)  # fmt: skip
         # a LoRA adapter: counted in flight there; None for a model that is no adapter of it
         lora = replica.lora
         self.adapter_load = lora.dispatched(routed.model) if lora.is_adapter(routed.model) else None
@@ -433,6 +438,8 @@ class Dispatch:
             tier_tokens=tiers,
             cached_tokens=cached_tokens,
             tokens_per_block=self.routed.tokens_per_block,
+            kv_waits=v.kv_waits(self.routed.prompt_tokens),
+            rides=self.rides,
         )
         self.pool.policy.observe(outcome)
         cached = outcome.credited_cached_tokens()
@@ -474,7 +481,7 @@ class Dispatch:
         if not self._done:
             self._done = True
             self.prefilled()
-            self.replica.finished()
+            self.replica.finished(self.routed.prompt_tokens)
             if self.adapter_load is not None:
                 self.replica.lora.finished(self.routed.model)
 

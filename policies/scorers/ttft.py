@@ -27,14 +27,16 @@ Across a fleet of gateways (shared load, gateway/fleet/shared_load.py) each gate
 decayed sums (`share`) and folds in the others' (`absorb`): the sums add, so every gateway fits
 the same coefficients from all of the fleet's observations (as of the last tick or push).
 
-Each request in flight on a replica also holds KV until it ends. Where a replica's KV is nearly
-full of long prompts, a new request waits for those ahead to finish (their decode included),
-whatever its prefix hit: TTFT += hold_s x requests in flight (`ReplicaView.load`). `hold_s` is
-learned per pool from the residual of every TTFT against the fit (one-dimensional ridge toward
-0, decayed like the fit), and the fit learns from the TTFT without it. Where requests in flight
-do not hold new ones back (KV to spare), it stays near 0. Without it, repeats of a long document
-piled onto the replica that held it while its KV was full of them, and the TTFT p99 lost to
-round robin (bench/tiers.py, issue 42).
+Each request in flight on a replica also holds KV until it ends (its prompt, in
+`ReplicaView.inflight_kv_tokens`). Where the engine's KV (`kv_tokens`, its cache_config_info)
+cannot hold a new prompt beside them, the engine admits it only once enough of them have ended,
+decode included, whatever its prefix hit: TTFT += hold_s x `ReplicaView.kv_waits(prompt)`, the
+requests in flight that must end first. `hold_s` is learned per scorer from the residual of
+the TTFTs of requests that had to wait so (one-dimensional ridge toward 0, decayed like the
+fit), and the fit learns from those TTFTs without it. A replica whose KV holds the request
+beside the rest, or that does not report its KV size, is priced as before. Without it, repeats
+of a long document piled onto the replica that held it while its KV was full of them, and the
+TTFT p99 lost to round robin (bench/tiers.py, issue 42).
 
 Blocks a replica holds on a lower KV tier (`ReplicaView.tier_hits`: host memory, disk, the
 pool's shared store; docs/tiers.md) are priced in seconds by default (`tiers: seconds`): they
@@ -198,7 +200,9 @@ class TTFTScorer(Scorer):
             if measured is not None:
                 self._saw(view.name, measured)
             uncached, load = self._tiered(view.tier_hits, uncached, req.tokens_per_block, measured)
-        t = a + b * uncached + c * view.inflight_prompt_tokens + load + self.hold.s * view.load
+        t = a + b * uncached + c * view.inflight_prompt_tokens + load
+        if self.hold.s:
+            t += self.hold.s * view.kv_waits(req.prompt_tokens)
         if view.lora is not None:
             t += self.lora.extra_s(req.model, view.lora)
         return max(_FLOOR_S, t)
@@ -211,8 +215,8 @@ class TTFTScorer(Scorer):
             a, b, c = coef.get(v.name, prior)
             uncached = prompt - v.hit_blocks * tpb
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
-            if hold:
-                t += hold * v.load
+            if hold and v.kv_tokens is not None:
+                t += hold * v.kv_waits(prompt)
             if v.tier_hits and self.tiers != "off":
                 measured = v.tier_load_rates
                 if measured is not None and seen.get(v.name) is not measured:
@@ -262,8 +266,8 @@ class TTFTScorer(Scorer):
 
     def observe(self, outcome: Outcome) -> None:
         y = outcome.ttft_s
-        if not outcome.ok or y is None or not 0 <= y < float("inf"):
-            return
+        if not outcome.ok or y is None or not 0 <= y < float("inf") or outcome.rides:
+            return  # a request that rode a prefix still prefilling waited for a part of it only
         fit = self._fits.get(outcome.replica)
         if fit is None:
             if len(self._fits) >= _MAX_REPLICAS:
@@ -287,7 +291,7 @@ class TTFTScorer(Scorer):
             for t, n in tiers.items():
                 y -= n * self._s_per_token(t, measured, 0.0)
             y = max(0.0, y)
-        n = outcome.load_at_dispatch
+        n = outcome.kv_waits
         if outcome.adapter_load:  # learn the load from the residual, fit the rest without it
             self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK + self.hold.s * n))
             y = max(0.0, y - self.lora.load_s)
