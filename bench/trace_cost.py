@@ -38,6 +38,20 @@ import orjson
 GOAL_TRACED_X = 1.15
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (utime + stime) of a process's event-loop thread (`loop`: the main one) and
+    of its other threads together (`threads`: the request log's flush, the OTLP export)."""
+    from bench.overhead import TICK_S
+
+    out = {"loop": 0.0, "threads": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+            key = "loop" if int(tid) == pid else "threads"
+            out[key] += (int(fields[11]) + int(fields[12])) * TICK_S
+    return out
+
+
 def _metric(port: int, name: str) -> float:
     """A counter's value on a gateway's /metrics (summed over its series), or NaN."""
     try:
@@ -157,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                  "--rate", "250", "-o", args.profile], stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)  # fmt: skip
             procs.append(spy)
+        threads0 = [thread_cpu_s(pid) for _, _, pid in gws]
         marks = uvloop.run(run())
+        threads1 = [thread_cpu_s(pid) for _, _, pid in gws]
         if spy is not None:
             spy.wait(60)
         per: list[tuple[bool, float]] = []  # traced, CPU µs per request over its period
@@ -178,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  gateway CPU per request (all threads, over each period): traced {on:.0f} us, "
               f"untraced {off:.0f} us, +{on - off:.0f} us; {exported:.0f} spans exported, "
               f"{dropped:.0f} dropped")  # fmt: skip
+        split = []
+        for k, label in ((0, "untraced"), (1, "traced")):
+            n = max(1, sum(m for g, _, m in marks if g == k))
+            us = {t: (threads1[k][t] - threads0[k][t]) / n * 1e6 for t in threads1[k]}
+            split.append(f"{label}: loop {us['loop']:.0f}, other threads {us['threads']:.0f}")
+        print(f"  by thread, us per request over the whole run: {'; '.join(split)}")
         ok = x <= GOAL_TRACED_X
         print(f"  traced CPU per request <= {GOAL_TRACED_X:g} x untraced (neighbouring periods, "
               f"median of {len(ratios)})  {x:.2f}  {'PASS' if ok else 'FAIL'}")  # fmt: skip
