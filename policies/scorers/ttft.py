@@ -368,15 +368,8 @@ class TTFTScorer(Scorer):
             for i in range(3):
                 xy[i] += peer[6 + i]
         s00, s01, s02, s11, s12, s22 = m
-        # the prior is worth `w` observations of the size seen: its weight on each slope is w x
-        # the mean square of that feature (at least 1K tokens'), so one request of 6K tokens
-        # does not outweigh it 36 times (issue 42: one stale queue count, a request that rode on
-        # a prefix almost prefilled, took c to a sixth of b, and the replica drew every request)
-        sq1 = s11 + 2 * s12 + s22
-        w1 = w * max(1.0, sq1 / s00) if s00 > 0 else w
-        w2 = w * max(1.0, s22 / s00) if s00 > 0 else w
-        z = [s00 + w, s01 + s02, s02, sq1 + w1, s12 + s22, s22 + w2]
-        v = [xy[0] + w * p[0], xy[1] + xy[2] + w1 * p[1], xy[2]]
+        z = [s00 + w, s01 + s02, s02, s11 + 2 * s12 + s22 + w, s12 + s22, s22 + w]
+        v = [xy[0] + w * p[0], xy[1] + xy[2] + w * p[1], xy[2]]
         theta = solve3(z, v) or (p[0], p[1], 0.0)
         a, b, extra = theta
         return max(0.0, a), max(0.0, b) / _KTOK, max(0.0, b + extra) / _KTOK
