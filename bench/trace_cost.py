@@ -91,12 +91,40 @@ async def window(port: int, requests: list[bytes], seconds: float) -> int:
     return len(run.ends)
 
 
+_WRK_LUA = """wrk.method = "POST"
+wrk.headers["content-type"] = "application/json"
+bodies = {}
+for line in io.lines("%s") do bodies[#bodies + 1] = line end
+local i = 0
+request = function()
+  i = i %% #bodies + 1
+  return wrk.format(nil, "/v1/chat/completions", nil, bodies[i])
+end
+"""
+
+
+async def wrk_window(port: int, script: str, seconds: float) -> int:
+    """wrk (1 thread, 32 connections) against `port` for `seconds`; the answers it counted."""
+    proc = await asyncio.create_subprocess_exec(
+        "wrk", "-t1", "-c32", f"-d{max(1, round(seconds))}s", "-s", script,
+        f"http://127.0.0.1:{port}", stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    text = out.decode()
+    for line in text.splitlines():
+        if "requests in" in line:
+            return int(line.split()[0])
+    raise RuntimeError(f"wrk said:\n{text}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.trace_cost", description=__doc__.splitlines()[0])
     p.add_argument("--policy", default="round_robin")
     p.add_argument("--windows", type=int, default=16, help="windows, half of them traced")
     p.add_argument("--window-s", type=float, default=3.0)
     p.add_argument("--check", action="store_true", help="exit 1 when the goal is not met")
+    p.add_argument("--wrk", action="store_true",
+                   help="load with wrk (-t1 -c32, the same 256 bodies) instead of the generator")
     p.add_argument("--profile", metavar="PATH", help="py-spy the traced gateway (all threads, "
                    "its windows and the periods' rest) into PATH, collapsed stacks")
     args = p.parse_args(argv)
@@ -150,15 +178,27 @@ def main(argv: list[str] | None = None) -> int:
             gws.append((v.name, port, g.pid))
         bodies = chat_bodies(256, False, MODEL)
         reqs = {port: http_requests(port, bodies) for _, port, _ in gws}
+        script = str(workdir / "post.lua")
+        if args.wrk:
+            if shutil.which("wrk") is None:
+                print("bench.trace_cost: --wrk needs wrk (apt-get install wrk)", file=sys.stderr)
+                return 2
+            (workdir / "bodies.jsonl").write_bytes(b"\n".join(bodies) + b"\n")
+            Path(script).write_text(_WRK_LUA % (workdir / "bodies.jsonl"))
+
+        async def load(port: int, seconds: float) -> int:
+            if args.wrk:
+                return await wrk_window(port, script, seconds)
+            return await window(port, reqs[port], seconds)
 
         async def run() -> list[tuple[int, float, int]]:
             for _, port, _ in gws:  # warm-up: imports, first routes, connection pools
-                await window(port, reqs[port], 1.0)
+                await load(port, 1.0)
             out: list[tuple[int, float, int]] = []  # gateway, CPU at the window's start, answers
             for i in range(args.windows + 2):  # the last two only close the periods
                 k = i % 2
                 cpu = proc_cpu_s(gws[k][2], True)
-                n = await window(gws[k][1], reqs[gws[k][1]], args.window_s)
+                n = await load(gws[k][1], args.window_s)
                 out.append((k, cpu, n))
             return out
 
@@ -188,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         exported = _metric(tport, "gateway_trace_spans_exported_total")
         dropped = _metric(tport, "gateway_trace_spans_dropped_total")
         answered = sum(n for _, _, n in marks)
-        print(f"bench.trace_cost: policy {args.policy}, two gateways from the CLI on CPU {gw_cpu} "
+        print(f"bench.trace_cost: policy {args.policy}, load {'wrk' if args.wrk else 'generator'}, two gateways from the CLI on CPU {gw_cpu} "
               f"(request log on), collector, replicas and load on CPU {load_cpu}; "
               f"{args.windows} windows of {args.window_s:g} s, {answered} requests")  # fmt: skip
         print(f"  gateway CPU per request (all threads, over each period): traced {on:.0f} us, "
