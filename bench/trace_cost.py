@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -123,18 +122,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=16, help="windows, half of them traced")
     p.add_argument("--window-s", type=float, default=3.0)
     p.add_argument("--check", action="store_true", help="exit 1 when the goal is not met")
-    p.add_argument("--wrk", action="store_true",
-                   help="load with wrk (-t1 -c32, the same 256 bodies) instead of the generator")
-    p.add_argument("--profile", metavar="PATH", help="py-spy the traced gateway (all threads, "
-                   "its windows and the periods' rest) into PATH, collapsed stacks")
+    p.add_argument(
+        "--wrk",
+        action="store_true",
+        help="load with wrk (-t1 -c32, the same 256 bodies) instead of the generator",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="PATH",
+        help="py-spy the traced gateway (all threads, "
+        "its windows and the periods' rest) into PATH, collapsed stacks",
+    )
     args = p.parse_args(argv)
 
     import uvloop
 
     from bench.harness import free_port, stop_processes
     from bench.overhead import (
-        MODEL, Variant, _pin, chat_bodies, gateway_config, http_requests, policy_variant,
-        proc_cpu_s, traced, wait_ready,
+        MODEL,
+        Variant,
+        _pin,
+        chat_bodies,
+        gateway_config,
+        http_requests,
+        policy_variant,
+        proc_cpu_s,
+        traced,
+        wait_ready,
     )  # fmt: skip
 
     gw_cpu, load_cpu = sorted(os.sched_getaffinity(0))[:2]
@@ -166,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         env = {k: x for k, x in os.environ.items() if not k.startswith("OTEL_")}
         for v in (plain, traced(plain, f"http://127.0.0.1:{sink}")):
             port = free_port()
-            cfg = gateway_config(port, ports["ports"], ports["paced_ports"], Variant(v.name, v.overrides))
+            cfg = gateway_config(
+                port, ports["ports"], ports["paced_ports"], Variant(v.name, v.overrides)
+            )
             import yaml
 
             path = workdir / f"{v.name}.yaml"
