@@ -123,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-s", type=float, default=3.0)
     p.add_argument("--check", action="store_true", help="exit 1 when the goal is not met")
     p.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A: the second gateway untraced too (what two processes differ by alone)",
+    )
+    p.add_argument(
         "--wrk",
         action="store_true",
         help="load with wrk (-t1 -c32, the same 256 bodies) instead of the generator",
@@ -178,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         plain = policy_variant(args.policy)  # the request log as shipped: info, text
         gws: list[tuple[str, int, int]] = []  # name, port, pid
         env = {k: x for k, x in os.environ.items() if not k.startswith("OTEL_")}
-        for v in (plain, traced(plain, f"http://127.0.0.1:{sink}")):
+        second = traced(plain, f"http://127.0.0.1:{sink}")
+        if args.control:
+            second = Variant(plain.name + "-control", plain.overrides)
+        for v in (plain, second):
             port = free_port()
             cfg = gateway_config(
                 port, ports["ports"], ports["paced_ports"], Variant(v.name, v.overrides)
@@ -244,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         exported = _metric(tport, "gateway_trace_spans_exported_total")
         dropped = _metric(tport, "gateway_trace_spans_dropped_total")
         answered = sum(n for _, _, n in marks)
+        if args.control:
+            print(
+                "bench.trace_cost --control: both gateways untraced; the ratio is two processes' own"
+            )
         print(f"bench.trace_cost: policy {args.policy}, load {'wrk' if args.wrk else 'generator'}, two gateways from the CLI on CPU {gw_cpu} "
               f"(request log on), collector, replicas and load on CPU {load_cpu}; "
               f"{args.windows} windows of {args.window_s:g} s, {answered} requests")  # fmt: skip
