@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="round_robin")
     p.add_argument("--windows", type=int, default=16, help="windows, half of them traced")
     p.add_argument("--window-s", type=float, default=3.0)
+    p.add_argument("--warmup-s", type=float, default=1.0, help="each gateway's, before")
     p.add_argument("--check", action="store_true", help="exit 1 when the goal is not met")
     p.add_argument(
         "--control",
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
         async def run() -> list[tuple[int, float, int]]:
             for _, port, _ in gws:  # warm-up: imports, first routes, connection pools
-                await load(port, 1.0)
+                await load(port, args.warmup_s)
             out: list[tuple[int, float, int]] = []  # gateway, CPU at the window's start, answers
             for i in range(args.windows + 2):  # the last two only close the periods
                 k = i % 2
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         tport = gws[1][1]
         exported = _metric(tport, "gateway_trace_spans_exported_total")
         dropped = _metric(tport, "gateway_trace_spans_dropped_total")
+        waiting = _metric(tport, "gateway_trace_export_queue_spans")
         answered = sum(n for _, _, n in marks)
         if args.control:
             print(
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(request log on), collector, replicas and load on CPU {load_cpu}; "
               f"{args.windows} windows of {args.window_s:g} s, {answered} requests")  # fmt: skip
         print(f"  gateway CPU per request (all threads, over each period): traced {on:.0f} us, "
-              f"untraced {off:.0f} us, +{on - off:.0f} us; {exported:.0f} spans exported, "
+              f"untraced {off:.0f} us, +{on - off:.0f} us; {exported:.0f} spans exported, {waiting:.0f} waiting, "
               f"{dropped:.0f} dropped")  # fmt: skip
         split = []
         for k, label in ((0, "untraced"), (1, "traced")):
