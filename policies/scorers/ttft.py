@@ -91,6 +91,35 @@ class _Fit:
         return [*self.xx, *self.xy, float(self.n)]
 
 
+class _LoadFit:
+    """Seconds a request ahead on the engine (running, decoding, waiting: `ReplicaView.load`)
+    adds to a new request's TTFT beyond the queued prefill the main fit prices: a decayed
+    one-feature ridge on the main fit's residuals, pulled toward the prior `d0`."""
+
+    __slots__ = ("d", "d0", "w", "decay", "rr", "ry")
+
+    def __init__(self, d0: float, w: float, decay: float) -> None:
+        self.d = self.d0 = d0
+        self.w, self.decay = w, decay
+        self.rr = self.ry = 0.0
+
+    def learn(self, r: float, residual: float) -> None:
+        if not math.isfinite(residual):
+            return
+        self.rr = self.decay * self.rr + r * r
+        self.ry = self.decay * self.ry + r * residual
+        self.d = max(0.0, (self.ry + self.w * self.d0) / (self.rr + self.w))
+
+
+def _pressure(k: float | None) -> float:
+    """KV pressure as a cost: k / (1 - k) of the KV in use (SGLang's least_load barrier), 0 when
+    unknown, capped at 99 % in use."""
+    if k is None or k <= 0:
+        return 0.0
+    k = min(k, 0.99)
+    return k / (1.0 - k)
+
+
 _WIDTH = 10  # numbers a shared fit carries: xx (6), xy (3), n; then a replica's tier sums
 
 
@@ -112,6 +141,9 @@ class TTFTScorer(Scorer):
         tier_gbps: Mapping[str, float] | None = None,
         tier_weights: Mapping[str, float] | None = None,
         learn_tiers: bool = False,
+        load_s: float = 0.01,
+        kv_s: float = 0.05,
+        recompute: float = 1.0,
     ) -> None:
         if not prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s!r}")
@@ -121,6 +153,9 @@ class TTFTScorer(Scorer):
             raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        for key, value in (("load_s", load_s), ("kv_s", kv_s), ("recompute", recompute)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"{key} must be a number >= 0, got {value!r}")
         if tiers not in TIER_MODES:
             raise ValueError(f"tiers must be one of {TIER_MODES}, got {tiers!r}")
         if not kv_bytes_per_token > 0:
@@ -150,10 +185,19 @@ class TTFTScorer(Scorer):
         # per replica, the measured tier rates its last prediction used: observe() takes the
         # load term out of the TTFT at the same rates
         self._measured: dict[str, Mapping[str, tuple[float, float]]] = {}
+        # the engine's load beyond the queued prefill the fit prices: seconds per request ahead
+        # (running, decoding or waiting), learned for the pool from the fit's residuals
+        self._load = _LoadFit(float(load_s), float(prior_weight), float(decay))
+        self.kv_s = float(kv_s)
+        self.recompute = float(recompute)
 
     def coefficients(self, replica: str) -> tuple[float, float, float]:
         """(a seconds, b seconds per uncached token, c seconds per queued token) for a replica."""
         return self._coef.get(replica, self._pooled)
+
+    def load_s(self) -> float:
+        """Seconds a request ahead on the engine adds to a TTFT now (learned, else `load_s`)."""
+        return self._load.d
 
     def tier_gbps(self) -> dict[str, float]:
         """The bandwidth each lower tier is priced at now, GB/s: learned, else `tier_gbps`."""
@@ -170,6 +214,7 @@ class TTFTScorer(Scorer):
                 self._saw(view.name, measured)
             uncached, load = self._tiered(view.tier_hits, uncached, req.tokens_per_block, measured)
         t = a + b * uncached + c * view.inflight_prompt_tokens + load
+        t += self._load.d * view.load + self.kv_s * _pressure(view.kv_usage)
         if view.lora is not None:
             t += self.lora.extra_s(req.model, view.lora)
         return max(_FLOOR_S, t)
@@ -178,10 +223,23 @@ class TTFTScorer(Scorer):
         coef, prior, seen = self._coef, self._pooled, self._measured
         prompt, tpb = req.prompt_tokens, req.tokens_per_block
         pred: dict[str, float] = {}
+        d, kv_s, rho = self._load.d, self.kv_s, self.recompute
+        tiered = self.tiers != "off"
+        holds = {v.name: v.hit_blocks + (sum(v.tier_hits.values()) if v.tier_hits and tiered
+                                         else 0) for v in views}  # fmt: skip
+        held = max(holds.values(), default=0)
+        # a replica whose KV use is not known now (no fresh scrape) counts as the fullest known
+        known = [v.kv_usage for v in views if v.kv_usage is not None]
+        worst = max(known) if known else None
         for v in views:
             a, b, c = coef.get(v.name, prior)
             uncached = prompt - v.hit_blocks * tpb
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
+            t += d * v.load
+            if worst is not None:
+                t += kv_s * _pressure(worst if v.kv_usage is None else v.kv_usage)
+            if rho and held > (mine := holds[v.name]):  # the fleet recomputes what another holds
+                t += rho * b * (min(prompt, held * tpb) - min(prompt, mine * tpb))
             if v.tier_hits and self.tiers != "off":
                 measured = v.tier_load_rates
                 if measured is not None and seen.get(v.name) is not measured:
@@ -259,6 +317,9 @@ class TTFTScorer(Scorer):
         if outcome.adapter_load:  # learn the load from the residual, fit the rest without it
             self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK))
             y = max(0.0, y - self.lora.load_s)
+        r = max(0, outcome.load_at_dispatch)
+        self._load.learn(r, y - (a + b * u * _KTOK + c * q * _KTOK))
+        y = max(0.0, y - self._load.d * r)
         fit.add(u, q, y, self._decay)
         self._coef[outcome.replica] = self._solve(fit, self._peer.get(outcome.replica))
         self._pool()
