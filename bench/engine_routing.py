@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.engine.client import Result, run_client
+from bench.engine.client import Client, Result
 from bench.engine.fleet import EngineFleet, engine_python, prefix_counters, reset_prefix_cache
 from bench.engine.model import make_model_dir
 from bench.engine.routers import ROUTERS, start_router
@@ -60,14 +60,14 @@ def hit_ratio(before: Sequence[tuple[float, float]], after: Sequence[tuple[float
     return hits / queries if queries else float("nan")
 
 
-def one_run(fleet: EngineFleet, router: str, dataset: list[str], n: int, rate: float,
-            logs: Path, seed: int) -> tuple[float, Result]:  # fmt: skip
+def one_run(client: Client, fleet: EngineFleet, router: str, dataset: list[str], n: int,
+            rate: float, logs: Path, seed: int) -> tuple[float, Result]:  # fmt: skip
+    """Empty the engines' caches, start `router`, drive it; (engine hit ratio, client result)."""
     for url in fleet.urls:
         reset_prefix_cache(url)
     before = [prefix_counters(u) for u in fleet.urls]
     with start_router(router, fleet, logs) as url:
-        got = run_client(url, MODEL, fleet.model_dir, dataset, requests=n, rate=rate, seed=seed,
-                         log=logs / f"client-{router}.log")  # fmt: skip
+        got = client.run(url, MODEL, fleet.model_dir, dataset, requests=n, rate=rate, seed=seed)
     after = [prefix_counters(u) for u in fleet.urls]
     return hit_ratio(before, after), got
 
@@ -144,11 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         tmp = Path(name)
         model = make_model_dir(tmp / MODEL, "chatml", engine_python=engine_python())
         with EngineFleet(model, replicas=args.replicas, model=MODEL, kv_blocks=args.kv_blocks,
-                         log_dir=tmp) as fleet:  # fmt: skip
+                         log_dir=tmp) as fleet, Client(tmp / "client.log") as client:  # fmt: skip
             say(f"fleet ready: {args.replicas} replicas ({time.monotonic() - t0:.0f} s)")
             for w in args.workloads:
                 probe = WORKLOADS[w].build(tmp, args.probe, args.seed)
-                _, cap = one_run(fleet, "sglang-round_robin", probe, args.probe, float("inf"),
+                _, cap = one_run(client, fleet, "sglang-round_robin", probe, args.probe, float("inf"),
                                  tmp, args.seed)  # fmt: skip
                 say(f"{w}: capacity {cap.throughput:.2f} requests/s ({cap.completed} in "
                     f"{cap.duration_s:.1f} s)")  # fmt: skip
@@ -159,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for k in range(args.repeats):
                         order = args.routers[k % len(args.routers):] + args.routers[:k % len(args.routers)]
                         for router in order:
-                            hit, got = one_run(fleet, router, dataset, n, rate, tmp, args.seed)
+                            hit, got = one_run(client, fleet, router, dataset, n, rate, tmp,
+                                               args.seed)  # fmt: skip
                             runs.append(Run(w, load, rate, n, router, k, hit, got))
                             say(f"{w} {load:g}x #{k} {router:<20} TTFT {got.ttft_mean_ms:7,.0f} / "
                                 f"{got.ttft_p99_ms:7,.0f} ms  hit {hit:.3f}  failed {got.failed} "

@@ -14,7 +14,10 @@ Its `custom` dataset is a JSONL of `prompt` (text: sglang-router refuses token-i
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -24,13 +27,24 @@ from typing import Any
 
 from bench.engine.fleet import engine_python
 
-# run by the engine's interpreter; the client's own argument parser, as its script builds it
-RUNNER = (
-    "import sys\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))\n"
-)
+# run by the engine's interpreter: the client's own argument parser, as its script builds it,
+# then one run per line of JSON arguments on stdin, each answered ("ok" or the error) on the pipe
+# whose fd is argv[1]; the ~10 s import of vLLM is paid once for every run of a comparison
+RUNNER = """
+import json, os, sys, traceback
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+p = FlexibleArgumentParser(); add_cli_args(p)
+control = os.fdopen(int(sys.argv[1]), "w")
+control.write("ready\\n"); control.flush()
+for line in sys.stdin:
+    try:
+        main(p.parse_args(json.loads(line))); answer = "ok"
+    except BaseException as e:
+        traceback.print_exc(); answer = "error " + repr(e).replace("\\n", " ")
+    sys.stdout.flush(); sys.stderr.flush()
+    control.write(answer + "\\n"); control.flush()
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,47 +71,81 @@ def dataset_args(path: Path) -> list[str]:
             "--disable-shuffle", "--skip-chat-template"]  # fmt: skip
 
 
-def run_client(
-    base_url: str,
-    model: str,
-    tokenizer: Path,
-    dataset: Sequence[str],
-    *,
-    requests: int,
-    rate: float,
-    seed: int = 0,
-    timeout_s: float = 600.0,
-    log: Path | None = None,
-) -> Result:
-    """One `vllm bench serve` run against `base_url` (chat, streamed, Poisson at `rate` a
-    second; `inf`: all at once)."""
-    with tempfile.TemporaryDirectory(prefix="kvgw-vbench-") as tmp:
-        args = [
-            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-            "--base-url", base_url, "--model", model, "--tokenizer", str(tokenizer),
-            *dataset, "--num-prompts", str(requests), "--request-rate", str(rate),
-            "--seed", str(seed), "--ready-check-timeout-sec", "0", "--num-warmups", "0",
-            "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
-            "--ignore-eos", "--disable-tqdm", "--save-result", "--save-detailed",
-            "--result-dir", tmp, "--result-filename", "result.json",
-        ]  # fmt: skip
+class Client:
+    """vLLM's benchmark client, started once: `run` as many times as needed, then `close`."""
+
+    def __init__(self, log: Path | None = None) -> None:
+        self.log = log
+        read, write = os.pipe()
         out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
         try:
-            proc = subprocess.run([str(engine_python()), "-c", RUNNER, *args], stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=timeout_s, check=False,
-                                  env=_env(), cwd=tmp)  # fmt: skip
+            self.proc = subprocess.Popen([str(engine_python()), "-c", RUNNER, str(write)],
+                                         stdin=subprocess.PIPE, stdout=out,
+                                         stderr=subprocess.STDOUT, env=_env(), pass_fds=(write,),
+                                         start_new_session=True)  # fmt: skip
         finally:
+            os.close(write)
             if log is not None:
                 out.close()  # type: ignore[union-attr]
-        path = Path(tmp) / "result.json"
-        if proc.returncode != 0 or not path.exists():
-            raise RuntimeError(f"vllm bench serve failed ({proc.returncode}); see {log}")
-        return parse(json.loads(path.read_text()))
+        self.control = os.fdopen(read)
+        if self._answer() != "ready":
+            self.close()
+            raise RuntimeError(f"vLLM's benchmark client did not start; see {log}")
+
+    def _answer(self) -> str:
+        return self.control.readline().strip()
+
+    def run(
+        self,
+        base_url: str,
+        model: str,
+        tokenizer: Path,
+        dataset: Sequence[str],
+        *,
+        requests: int,
+        rate: float,
+        seed: int = 0,
+    ) -> Result:
+        """One `vllm bench serve` run against `base_url` (chat, streamed, Poisson at `rate` a
+        second; `inf`: all at once)."""
+        with tempfile.TemporaryDirectory(prefix="kvgw-vbench-") as tmp:
+            args = [
+                "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+                "--base-url", base_url, "--model", model, "--tokenizer", str(tokenizer),
+                *dataset, "--num-prompts", str(requests), "--request-rate", str(rate),
+                "--seed", str(seed), "--ready-check-timeout-sec", "0", "--num-warmups", "0",
+                "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
+                "--ignore-eos", "--disable-tqdm", "--save-result", "--save-detailed",
+                "--result-dir", tmp, "--result-filename", "result.json",
+            ]  # fmt: skip
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((json.dumps(args) + "\n").encode())
+            self.proc.stdin.flush()
+            answer = self._answer()
+            path = Path(tmp) / "result.json"
+            if answer != "ok" or not path.exists():
+                raise RuntimeError(f"vllm bench serve failed ({answer or 'exited'}); see {self.log}")
+            return parse(json.loads(path.read_text()))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.control.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _env() -> dict[str, str]:
-    import os
-
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONWARNINGS": "ignore"}  # fmt: skip
 

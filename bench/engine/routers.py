@@ -90,7 +90,7 @@ def ready(url: str) -> bool:
     the model `unknown` when the worker has no /model_info, and routes `tiny` all the same)."""
     try:
         with urllib.request.urlopen(url + "/v1/models", timeout=2) as res:
-            return res.status == 200
+            return bool(res.status == 200)
     except (OSError, urllib.error.URLError):
         return False
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from bench.engine.client import Client
 from bench.engine_routing import one_run
 from tests.engine.conftest import Engine
 
@@ -20,12 +21,14 @@ DATASET = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-le
 def test_the_gateway_and_sglang_router_on_the_same_requests(engine: Engine, tmp_path: Path) -> None:
     engine.revive()
     got = {}
-    for router in ("sglang-cache_aware", "gateway"):
-        hit, result = one_run(engine.fleet, router, DATASET, REQUESTS, 8.0, tmp_path, seed=0)
-        assert result.completed == REQUESTS and result.failed == 0, (router, result.errors)
-        assert result.ttft_mean_ms > 0 and result.e2el_mean_ms >= result.ttft_mean_ms
-        assert not math.isnan(hit), router
-        got[router] = hit
+    with Client(tmp_path / "client.log") as client:
+        for router in ("sglang-cache_aware", "gateway"):
+            hit, result = one_run(client, engine.fleet, router, DATASET, REQUESTS, 8.0, tmp_path,
+                                  seed=0)  # fmt: skip
+            assert result.completed == REQUESTS and result.failed == 0, (router, result.errors)
+            assert result.ttft_mean_ms > 0 and result.e2el_mean_ms >= result.ttft_mean_ms
+            assert not math.isnan(hit), router
+            got[router] = hit
     # 4 prefixes over 30 requests: a router that keeps each prefix on one replica reuses it on
     # 26 of them (~0.8 of the prompt tokens); round robin over 2 replicas on 22 (~0.65)
     assert got["gateway"] > 0.5, got
