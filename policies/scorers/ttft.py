@@ -104,8 +104,8 @@ class _LoadFit:
         self.rr = self.ry = 0.0
 
     def learn(self, r: float, residual: float) -> None:
-        if not math.isfinite(residual):
-            return
+        if not self.d0 or not math.isfinite(residual):
+            return  # load_s: 0 turns the term off
         self.rr = self.decay * self.rr + r * r
         self.ry = self.decay * self.ry + r * residual
         self.d = max(0.0, (self.ry + self.w * self.d0) / (self.rr + self.w))

@@ -75,7 +75,7 @@ def test_ttft_prices_engine_load_and_kv_pressure_from_fresh_metrics_only() -> No
 
 def test_ttft_learns_what_a_request_ahead_costs() -> None:
     """TTFTs that grow with the requests ahead at dispatch (decode load) teach `load_s`."""
-    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, load_s=0.0, recompute=0)
+    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, load_s=0.001, recompute=0)
     rng = random.Random(1)
     for _ in range(400):
         r, u = rng.randrange(0, 20), rng.randrange(0, 2000)
@@ -84,6 +84,9 @@ def test_ttft_learns_what_a_request_ahead_costs() -> None:
     slow = scorer.score(REQ, [ReplicaView("a", hit_blocks=10, running=10),
                               ReplicaView("b", hit_blocks=0)])  # fmt: skip
     assert slow["b"] == 1.0  # 10 requests ahead (~2 s) cost more than prefilling 1,000 tokens
+    off = TTFTScorer(load_s=0)  # the term off: nothing learned
+    off.observe(Outcome("a", 1512, 512, 10, 0, 5.0))
+    assert off.load_s() == 0
 
 
 @pytest.mark.parametrize(
