@@ -2,8 +2,18 @@
 
     uncached = max(0, prompt_tokens - hit_blocks * tokens_per_block)
     queued   = inflight_prompt_tokens        (uncached tokens the gateway sent, not yet prefilled)
-    ttft     = a + b * uncached + c * queued                               (seconds)
-    score    = min_ttft / ttft               (1.0 for the fastest candidate)
+    ttft     = a + b * uncached + c * queued + d * load + kv_s * k / (1 - k)      (seconds)
+    cost     = ttft + recompute * b * (prefix tokens another candidate holds, this one does not)
+    score    = min_cost / cost               (1.0 for the cheapest candidate)
+
+`load` is the requests ahead on the engine (`ReplicaView.load`: the fresh scrape's running +
+waiting, or the gateway's own in-flight count when higher or when the scrape is stale): a
+request that only decodes still slows every step a new prefill runs in. `d` is learned for the
+pool from the fit's residuals, pulled toward `load_s` (0: off). `k` is the engine's KV use from
+a fresh scrape; a replica without one is priced as the fullest known (unknown is not idle).
+`recompute` prices the prefill the fleet redoes when a request leaves the replica holding most
+of its prefix (issue 43: the latency-only score kept fewer prefixes than sglang-router by
+recomputing what a loaded replica held); `predict` is the TTFT alone.
 
 a, b, c are fitted per replica from Outcomes by exponentially weighted ridge least squares,
 pulled toward the prior a = base_s, b = 1 / prefill_tokens_per_s and c = b: a queued token is
@@ -43,7 +53,7 @@ tiers 3 to 11 times too slow (docs/tiers.md).
 
     scorers:
       ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99,
-             lora_load_s: 0.3, tiers: seconds, kv_bytes_per_token: 131072,
+             load_s: 0.01, kv_s: 0.05, recompute: 1.0, lora_load_s: 0.3, tiers: seconds, kv_bytes_per_token: 131072,
              tier_gbps: {cpu: 50, disk: 7, shared: 12.5}, learn_tiers: false}
 """
 
