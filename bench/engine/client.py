@@ -58,6 +58,7 @@ class Result:
     e2el_mean_ms: float
     e2el_p99_ms: float
     errors: tuple[str, ...]  # distinct error texts, a few
+    router_cpu_s: float = 0.0  # CPU seconds the router used during the run (filled by the bench)
 
     @property
     def throughput(self) -> float:

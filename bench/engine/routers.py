@@ -102,9 +102,25 @@ def ready(url: str) -> bool:
         return False
 
 
+class Started:
+    """A running router: its URL, and the CPU seconds its process has used (`cpu_s()`)."""
+
+    def __init__(self, url: str, pid: int) -> None:
+        self.url, self.pid = url, pid
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds of the router's process so far (Linux /proc; 0 elsewhere):
+        on a CPU fleet, what it took from the engines."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def start_router(name: str, fleet: EngineFleet, log_dir: Path) -> Iterator[str]:
-    """Start router `name` in front of `fleet`; yields its URL once it answers /v1/models."""
+def start_router(name: str, fleet: EngineFleet, log_dir: Path) -> Iterator[Started]:
+    """Start router `name` in front of `fleet`; yields it once it answers /v1/models."""
     port = free_port()
     log = log_dir / f"router-{name}-{port}.log"
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "RUST_LOG": "warn"}
@@ -119,7 +135,7 @@ def start_router(name: str, fleet: EngineFleet, log_dir: Path) -> Iterator[str]:
                 tail = log.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"router {name} did not start:\n{tail}")
             time.sleep(0.2)
-        yield url
+        yield Started(url, proc.pid)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
