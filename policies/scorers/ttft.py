@@ -154,6 +154,7 @@ class TTFTScorer(Scorer):
         load_s: float = 0.01,
         kv_s: float = 0.05,
         recompute: float = 1.0,
+        recompute_load: bool = True,
     ) -> None:
         if not prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s!r}")
@@ -200,6 +201,7 @@ class TTFTScorer(Scorer):
         self._load = _LoadFit(float(load_s), float(prior_weight), float(decay))
         self.kv_s = float(kv_s)
         self.recompute = float(recompute)
+        self.recompute_load = bool(recompute_load)
 
     def coefficients(self, replica: str) -> tuple[float, float, float]:
         """(a seconds, b seconds per uncached token, c seconds per queued token) for a replica."""
@@ -249,7 +251,10 @@ class TTFTScorer(Scorer):
             if worst is not None:
                 t += kv_s * _pressure(worst if v.kv_usage is None else v.kv_usage)
             if rho and held > (mine := holds[v.name]):  # the fleet recomputes what another holds
-                t += rho * b * (min(prompt, held * tpb) - min(prompt, mine * tpb))
+                redo = b * (min(prompt, held * tpb) - min(prompt, mine * tpb))
+                # once, and once more for each request it delays there (queued, or decoding
+                # through the steps the prefill takes)
+                t += rho * redo * (1 + v.load if self.recompute_load else 1)
             if v.tier_hits and self.tiers != "off":
                 measured = v.tier_load_rates
                 if measured is not None and seen.get(v.name) is not measured:
