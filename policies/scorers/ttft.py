@@ -4,6 +4,7 @@
     queued   = inflight_prompt_tokens        (uncached tokens the gateway sent, not yet prefilled)
     ttft     = a + b * uncached + c * queued + d * load + kv_s * k / (1 - k)      (seconds)
     cost     = ttft + recompute * b * (prefix tokens another candidate holds, this one does not)
+                    * (1 + load)             (recompute_load: it delays the requests ahead there)
     score    = min_cost / cost               (1.0 for the cheapest candidate)
 
 `load` is the requests ahead on the engine (`ReplicaView.load`: the fresh scrape's running +
@@ -53,7 +54,8 @@ tiers 3 to 11 times too slow (docs/tiers.md).
 
     scorers:
       ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99,
-             load_s: 0.01, kv_s: 0.05, recompute: 1.0, lora_load_s: 0.3, tiers: seconds, kv_bytes_per_token: 131072,
+             load_s: 0.01, kv_s: 0.05, recompute: 1.0, recompute_load: true,
+             lora_load_s: 0.3, tiers: seconds, kv_bytes_per_token: 131072,
              tier_gbps: {cpu: 50, disk: 7, shared: 12.5}, learn_tiers: false}
 """
 

@@ -52,6 +52,10 @@ def test_ttft_prices_recomputing_what_another_replica_holds() -> None:
     # without it, the replica that recomputes half the prefix is predicted first
     plain = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=0).score(REQ, views)
     assert max(plain, key=plain.__getitem__) == "b"
+    # the recompute delays the requests ahead on the replica that does it: once more for each
+    busy = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, load_s=0)
+    loaded = [views[0], ReplicaView("b", hit_blocks=5, inflight=3)]  # 0.6 + 0.5 x (1 + 3)
+    assert busy.score(REQ, loaded)["b"] == pytest.approx(1.0 / 2.6)
 
 
 def test_ttft_prices_engine_load_and_kv_pressure_from_fresh_metrics_only() -> None:
