@@ -10,8 +10,8 @@
 - `gateway`: this project as shipped (`gateway serve`, the default policy and bytes mode; the
   only keys set are the replicas and the CPU's deadlines, as for every engine test: a CPU
   prefills ~1K tokens a second, no GPU-sized first-byte deadline); `gateway-precise`: the same
-  with tokens mode (the model's tokenizer) and the engines' KV events; `gateway-before`: as
-  shipped, its TTFT score without the engine's load, KV pressure and recompute terms.
+  with tokens mode (the model's tokenizer) and the engines' KV events; `gateway-terms`: as
+  shipped with the TTFT score's opt-in terms on (`load_s`, `kv_s`, `recompute`).
 
 Both peers install from PyPI into the engine's venv (`scripts/engine-requirements.txt`).
 """
@@ -36,11 +36,11 @@ from bench.harness import free_port
 
 ROUTERS = ("sglang-cache_aware", "sglang-round_robin", "vllm-kv_aware", "vllm-cache_aware",
            "gateway", "gateway-precise")  # fmt: skip
-# the default policy without the engine's load, KV pressure and the fleet's recompute in its
-# score (as before issue 43 item 2): not in the default comparison, named with --routers
-BEFORE = "gateway-before"
-TTFT_ONLY = {"scorers": {"ttft": {"weight": 1, "load_s": 0, "kv_s": 0, "recompute": 0}},
-             "picker": "max_score", "guard": False}  # fmt: skip
+# the default policy with the opt-in terms of its TTFT score on (the engine's load, KV pressure,
+# the fleet's recompute: issue 43 item 2): not in the default comparison, named with --routers
+TERMS = "gateway-terms"
+TTFT_TERMS = {"scorers": {"ttft": {"weight": 1, "load_s": 0.01, "kv_s": 0.05, "recompute": 1.0}},
+              "picker": "max_score", "guard": False}  # fmt: skip
 READY_TIMEOUT_S = 60.0
 CPU_TIMEOUTS = {"first_byte_s": 300, "idle_s": 120, "total_s": 600}
 
@@ -83,9 +83,9 @@ def command(name: str, fleet: EngineFleet, port: int, tmp: Path) -> list[str]:
                         "--kv-event-replay-source", f"{m.url}={replay}"]  # fmt: skip
             cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", fleet.model]
         return cmd
-    if name in ("gateway", "gateway-precise", BEFORE):
+    if name in ("gateway", "gateway-precise", TERMS):
         path = tmp / f"{name}.yaml"  # JSON is YAML
-        pool = {"policy": TTFT_ONLY} if name == BEFORE else {}
+        pool = {"policy": TTFT_TERMS} if name == TERMS else {}
         path.write_text(json.dumps(gateway_config(fleet, name == "gateway-precise", **pool)))
         return [sys.executable, "-m", "gateway", "serve", "--config", str(path),
                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip

@@ -7,9 +7,13 @@
                     * (1 + load)             (recompute_load: it delays the requests ahead there)
     score    = min_cost / cost               (1.0 for the cheapest candidate)
 
-`load` is the requests ahead on the engine (`ReplicaView.load`: the fresh scrape's running +
-waiting, or the gateway's own in-flight count when higher or when the scrape is stale): a
-request that only decodes still slows every step a new prefill runs in. `d` is learned for the
+The last two terms of `ttft` and the recompute price are opt-in (`load_s`, `kv_s`, `recompute`
+all 0 by default): on real vLLM (bench/engine_routing.py, docs/benchmarks.md) and in the
+simulator's routing bench they did not beat the score without them, which already breaks its
+near ties by the engine's load. `load` is the requests ahead on the engine
+(`ReplicaView.load`: the fresh scrape's running + waiting, or the gateway's own in-flight count
+when higher or when the scrape is stale): a request that only decodes still slows every step a
+new prefill runs in. `d` is learned for the
 pool from the fit's residuals, pulled toward `load_s` (0: off). `k` is the engine's KV use from
 a fresh scrape; a replica without one is priced as the fullest known (unknown is not idle).
 `recompute` prices the prefill the fleet redoes when a request leaves the replica holding most
@@ -54,7 +58,7 @@ tiers 3 to 11 times too slow (docs/tiers.md).
 
     scorers:
       ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99,
-             load_s: 0.01, kv_s: 0.05, recompute: 1.0, recompute_load: true,
+             load_s: 0, kv_s: 0, recompute: 0, recompute_load: true,
              lora_load_s: 0.3, tiers: seconds, kv_bytes_per_token: 131072,
              tier_gbps: {cpu: 50, disk: 7, shared: 12.5}, learn_tiers: false}
 """
@@ -153,9 +157,9 @@ class TTFTScorer(Scorer):
         tier_gbps: Mapping[str, float] | None = None,
         tier_weights: Mapping[str, float] | None = None,
         learn_tiers: bool = False,
-        load_s: float = 0.01,
-        kv_s: float = 0.05,
-        recompute: float = 1.0,
+        load_s: float = 0.0,
+        kv_s: float = 0.0,
+        recompute: float = 0.0,
         recompute_load: bool = True,
     ) -> None:
         if not prefill_tokens_per_s > 0:

@@ -39,9 +39,10 @@ def test_ttft_score_is_min_over_prediction() -> None:
 
 
 def test_ttft_prices_recomputing_what_another_replica_holds() -> None:
-    """The score is the TTFT plus `recompute` x the prefill the fleet would redo: a replica
-    that holds 5 blocks fewer than the best holder pays those 500 tokens again (0.5 s)."""
-    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1)  # recompute: 1 by default
+    """The score is the TTFT plus `recompute` x the prefill the fleet would redo (opt-in; 0 by
+    default): a replica that holds 5 blocks fewer than the best holder pays those 500 tokens
+    again (0.5 s)."""
+    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1, recompute_load=False)
     views = [
         ReplicaView("a", hit_blocks=10, inflight_prompt_tokens=900),  # 0.1 + 0.9
         ReplicaView("b", hit_blocks=5),  # 0.1 + 0.5, + 0.5 recomputed
@@ -53,7 +54,7 @@ def test_ttft_prices_recomputing_what_another_replica_holds() -> None:
     plain = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=0).score(REQ, views)
     assert max(plain, key=plain.__getitem__) == "b"
     # the recompute delays the requests ahead on the replica that does it: once more for each
-    busy = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, load_s=0)
+    busy = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1)
     loaded = [views[0], ReplicaView("b", hit_blocks=5, inflight=3)]  # 0.6 + 0.5 x (1 + 3)
     assert busy.score(REQ, loaded)["b"] == pytest.approx(1.0 / 2.6)
 
@@ -88,7 +89,7 @@ def test_ttft_learns_what_a_request_ahead_costs() -> None:
     slow = scorer.score(REQ, [ReplicaView("a", hit_blocks=10, running=10),
                               ReplicaView("b", hit_blocks=0)])  # fmt: skip
     assert slow["b"] == 1.0  # 10 requests ahead (~2 s) cost more than prefilling 1,000 tokens
-    off = TTFTScorer(load_s=0)  # the term off: nothing learned
+    off = TTFTScorer()  # off by default: nothing learned
     off.observe(Outcome("a", 1512, 512, 10, 0, 5.0))
     assert off.load_s() == 0
 
