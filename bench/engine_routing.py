@@ -160,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{cap.duration_s:.1f} s)")  # fmt: skip
                 for load in args.loads:
                     rate = round(load * cap.throughput, 2)
-                    n = max(8, round(rate * args.seconds))
+                    step = WORKLOADS[w].multiple
+                    n = max(8, round(rate * args.seconds)) // step * step or step
                     dataset = WORKLOADS[w].build(tmp, n, args.seed)
                     for k in range(args.repeats):
                         order = args.routers[k % len(args.routers):] + args.routers[:k % len(args.routers)]

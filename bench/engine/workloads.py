@@ -33,6 +33,7 @@ class Workload:
     name: str
     describe: str
     build: Callable[[Path, int, int], list[str]]  # (dir, requests, seed) -> the client's args
+    multiple: int = 1  # the dataset makes a multiple of this many requests
 
 
 def _write(rows: list[dict[str, object]], path: Path) -> list[str]:
@@ -72,7 +73,7 @@ WORKLOADS = {
         Workload("trace-prefill", "the public trace as text, answers <= 16 tokens", _trace(None)),
         Workload("trace-decode", "the public trace as text, answers of 256 tokens", _trace(256)),
         Workload("prefix_repetition", "vLLM's prefix_repetition: 16 x 1,024-token prefixes",
-                 _prefix_repetition),
+                 _prefix_repetition, multiple=16),
         Workload("multi_turn", "growing chats, 4 turns, 2 system prompts", _multi_turn),
     )
 }
