@@ -2,7 +2,7 @@
 
 A pass-through that does nothing a gateway must do (no parsing of the body, no routing, no
 limits, metrics or index): each POST goes on, round robin, to the next upstream over the
-gateway's own upstream client (`gateway/upstream/client.py`), and the answer comes back, streamed
+gateway's own upstream client (`gateway/transport/client.py`), and the answer comes back, streamed
 bodies chunk by chunk. Two server layers in front of it, one per row:
 
 - `uvicorn`: a bare ASGI app under uvicorn with httptools and uvloop, configured as `gateway
@@ -45,11 +45,11 @@ from bench.overhead import gateway_config, policy_variant
 from gateway.api.kinds import PATHS
 from gateway.config import parse_config
 from gateway.http.app import settle_garbage_collector
-from gateway.http.protocol import GuardedHttpToolsProtocol, body_writer
 from gateway.routing.router import RouteInput
-from gateway.runtime import Gateway
-from gateway.snapshot import pick_pool
-from gateway.upstream.client import HttpClient
+from gateway.runtime.gateway import Gateway
+from gateway.runtime.snapshot import pick_pool
+from gateway.transport.client import HttpClient
+from gateway.transport.protocol import GuardedHttpToolsProtocol, body_writer
 
 MAX_ANSWER_BYTES = 64 << 20
 JSON = [(b"content-type", b"application/json")]

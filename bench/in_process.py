@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 import uvicorn
 
-from gateway.http.protocol import GuardedHttpToolsProtocol
+from gateway.transport.protocol import GuardedHttpToolsProtocol
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.harness import free_port
     from bench.overhead import gateway_config, policy_variant
     from gateway import create_app, parse_config
-    from gateway.http.protocol import BodyWriter
+    from gateway.transport.protocol import BodyWriter
 
     def refuse(self: BodyWriter, *a: Any) -> bool:
         return False

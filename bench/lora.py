@@ -5,7 +5,7 @@ pays `load_s` of stalled step time for every adapter it loads (simulator/lora.py
 is the gateway's own routing unit (`bench.routing_routers.DesRouter`: parse the OpenAI body the
 client sends, scope and hash, index, views, the pool's policy, dispatch accounting); the DES
 only plays the clock and the scrapes, and each scrape hands the gateway the replica's
-`vllm:lora_requests_info` text and `/v1/models` cards, read by gateway/routing/lora.py as in production.
+`vllm:lora_requests_info` text and `/v1/models` cards, read by gateway/fleet/lora.py as in production.
 
     python -m bench.lora                 # the table in docs/benchmarks.md (about a minute)
     python -m bench.lora --requests 400  # quicker
@@ -30,8 +30,8 @@ import orjson
 from bench.routing_routers import DesRouter
 from bench.routing_workloads import ENGINE, segment
 from gateway.config.sections import LoraConfig as GatewayLora
-from gateway.routing.lora import adapters_of, parse_lora_info
-from gateway.routing.lora_placement import LoraPlacement
+from gateway.fleet.lora import adapters_of, parse_lora_info
+from gateway.forwarding.lora_placement import LoraPlacement
 from simulator.des import Cluster, ReplicaLoad, SimRequest, run
 from simulator.lora import LoraConfig, adapter_path
 from simulator.lora_api import adapter_cards
@@ -79,7 +79,7 @@ def workload(n: int, *, rate: float, seed: int, zipf_s: float = 1.1) -> list[Sim
 
 class LoraDesRouter(DesRouter):
     """`DesRouter` whose scrapes also carry each engine's LoRA surface to the gateway; with
-    `managed`, the pool runs managed placement (gateway/routing/lora_placement.py, on the DES clock):
+    `managed`, the pool runs managed placement (gateway/forwarding/lora_placement.py, on the DES clock):
     the engines start with no adapter and the gateway's loads and unloads register them."""
 
     def __init__(self, policy: str | dict[str, Any], cluster: Cluster, seed: int, label: str,

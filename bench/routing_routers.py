@@ -19,7 +19,7 @@ from gateway.api.openai import parse_body
 from gateway.config import Config, parse_config
 from gateway.fleet.scrape import LoadSample
 from gateway.routing.router import Dispatch, RouteInput
-from gateway.runtime import Gateway
+from gateway.runtime.gateway import Gateway
 from policies import build_policy
 from policies.registry import DEFAULT_POLICY
 from prefix_index.chunking import scope_key

@@ -32,7 +32,7 @@ from typing import Any
 
 from bench.routing_routers import MODEL, DesRouter, PreciseDesRouter
 from gateway.fleet.scrape import parse_metrics
-from gateway.telemetry.tier_metrics import measured_gbps
+from gateway.fleet.tier_metrics import measured_gbps
 from prefix_index.chunking import scope_key
 from prefix_index.events import BlockRemoved, BlockStored, EventBatch, KvEventApplier
 from simulator.des import Cluster, ReplicaLoad, SimRequest, run

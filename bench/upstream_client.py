@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 
 from bench.overhead import chat_bodies
-from gateway.upstream.client import HttpClient
+from gateway.transport.client import HttpClient
 
 ROOT = Path(__file__).resolve().parent.parent
 PATH = "/v1/chat/completions"
@@ -86,7 +86,7 @@ class Lean:
 class Aiohttp:
     name = "aiohttp"
 
-    def __init__(self) -> None:  # as gateway/upstream/proxy.py:make_session builds it
+    def __init__(self) -> None:  # as gateway/forwarding/relay.py:make_session builds it
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=10
         )

@@ -99,7 +99,7 @@ def app_from_env() -> object:
 
 def server_options(config: Config) -> dict[str, Any]:
     """uvicorn's settings for `gateway serve` (the gateway's server protocol, its timeouts)."""
-    from gateway.http.protocol import GuardedHttpToolsProtocol
+    from gateway.transport.protocol import GuardedHttpToolsProtocol
 
     return dict(
         host=config.server.host,

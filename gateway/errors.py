@@ -155,7 +155,7 @@ class PayloadTooLarge(GatewayError):
 
 
 class HeadersTooLarge(GatewayError):
-    """The request line and headers passed the server's caps (gateway/http/protocol.py)."""
+    """The request line and headers passed the server's caps (gateway/transport/protocol.py)."""
 
     status = 431
     type = "invalid_request_error"

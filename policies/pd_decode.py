@@ -13,7 +13,8 @@ sequence and how busy its decode batch is. So it is ranked by, in order:
    caller knows it (`transfer_s`).
 
 Ties go to the replica with the most free KV, then by name (stable). Pure: no I/O, no state.
-The gateway calls `rank_decode` from gateway/upstream/pd.py; docs/pd.md describes it.
+The gateway calls `rank_decode` from gateway/routing/router.py (`Router.choose` of a P/D pool);
+docs/pd.md describes it.
 """
 
 from __future__ import annotations

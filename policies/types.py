@@ -38,7 +38,7 @@ class RoutedRequest:
 
 @dataclass(frozen=True, slots=True)
 class LoraView:
-    """What the gateway knows of one replica's LoRA adapters (gateway/routing/lora.py; docs/lora.md).
+    """What the gateway knows of one replica's LoRA adapters (gateway/fleet/lora.py; docs/lora.md).
 
     `served`: adapters it can serve now (its `/v1/models` cards with a `parent`). `loadable`:
     adapters the gateway may load on it for this request (managed placement, within the

@@ -1,5 +1,9 @@
 """The import direction and the public surfaces, pinned: lower floors never import higher ones, and
-what the wheel ships (gateway, prefix_index, policies, simulator) never imports bench or tests."""
+what the wheel ships (gateway, prefix_index, policies, simulator) never imports bench or tests.
+
+Inside gateway/, its folders (and its top-level files) are floors: each imports only floors below
+it, counting every import (a function's, one under TYPE_CHECKING), so no change in a floor can
+reach one below it (docs/architecture.md "The layers")."""
 
 from __future__ import annotations
 
@@ -24,6 +28,82 @@ EXCEPTIONS = {
     "simulator/tokenizer.py": {"prefix_index"},
     "simulator/responses.py": {"prefix_index"},
 }
+
+
+# gateway/'s floors, bottom to top: a folder or a top-level file imports only those of lower rows
+# (or itself); the names on one row do not import each other
+FLOORS: list[tuple[str, ...]] = [
+    ("errors.py", "types.py", "version.py"),  # shared words
+    ("telemetry",),  # a sink: metrics, logs, traces, the receipt
+    ("api",),  # the OpenAI API's shapes
+    ("transport",),  # HTTP/1.1 on the wire, both ways
+    ("limits",),  # tenants, rate limits, admission, budgets
+    ("config",),  # routes.yaml's model, composed of the sections the floors below define
+    ("fleet",),  # replicas, pools, scrapes, KV events, discovery, shared load, LoRA state
+    ("routing",),  # decides: Router.choose; no I/O
+    ("forwarding",),  # sends: failover, P/D, the relay, LoRA loading
+    ("runtime",),  # Gateway, the snapshot, background work, reload
+    ("pipeline",),  # the request's steps and its Record
+    ("http",),  # the app, the endpoint, OpenAPI, status
+    ("demo.py",),
+    ("cli.py", "__init__.py"),
+    ("__main__.py",),
+]
+FLOOR = {name: i for i, row in enumerate(FLOORS) for name in row}
+
+
+def gateway_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of a gateway module in `path`, wherever it stands."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}:{node.lineno}: a relative import (write it whole)"
+            if node.module == "gateway":
+                found += [(node.lineno, f"gateway.{a.name}") for a in node.names]
+            elif node.module:
+                found.append((node.lineno, node.module))
+    return [(line, m) for line, m in found if m.split(".")[0] == "gateway"]
+
+
+def unit_of(module: str) -> str | None:
+    """The floor's name (a folder of gateway/, or a top-level file) that holds `module`; None
+    for the package itself or a name it hands on (`from gateway import Config`)."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    if (ROOT / "gateway" / parts[1]).is_dir():
+        return parts[1]
+    file = parts[1] + ".py"
+    return file if (ROOT / "gateway" / file).is_file() else None
+
+
+def test_every_part_of_gateway_stands_on_a_floor() -> None:
+    parts = {
+        p.name
+        for p in (ROOT / "gateway").iterdir()
+        if (p.is_dir() and any(p.rglob("*.py"))) or p.suffix == ".py"
+    }
+    assert parts == set(FLOOR), (
+        f"on no floor: {sorted(parts - set(FLOOR))}; gone: {sorted(set(FLOOR) - parts)}"
+    )
+
+
+def test_gateway_floors_import_only_below() -> None:
+    upward = []
+    for path in sorted((ROOT / "gateway").rglob("*.py")):
+        rel = path.relative_to(ROOT / "gateway")
+        mine = rel.parts[0]
+        for line, module in gateway_imports(path):
+            theirs = unit_of(module)
+            if theirs is None or theirs == mine:
+                continue
+            if FLOOR[theirs] >= FLOOR[mine]:
+                upward.append(
+                    f"gateway/{rel.as_posix()}:{line} imports {module} ({theirs} is not below {mine})"
+                )
+    assert not upward, "imports that run up a floor or across one:\n" + "\n".join(upward)
 
 
 def imported_packages(path: Path) -> set[str]:

@@ -3,8 +3,8 @@
 Every error names its key path (`pools.chat.replicas[1].url: not an http(s) URL`); unknown keys are
 errors; `${ENV}` / `${ENV:-default}` in any string is replaced from the environment before checks.
 Here: the whole file (`Config`, with the rules across its sections), masking secrets, loading.
-Each section's model is in `sections.py` (re-exported here); config errors' wording in
-`errors.py`, hot reload in `reload.py`.
+Each section's model is in `sections.py` (re-exported here), `discovery:`'s in `discovery.py`;
+config errors' wording in `errors.py`; hot reload in gateway/runtime/reload.py.
 """
 
 from __future__ import annotations

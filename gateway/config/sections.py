@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from gateway.fleet.discovery import DiscoveryConfig
+from gateway.config.discovery import DiscoveryConfig
 
 
 class _Strict(BaseModel):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.upstream.control import ControlClient, post_json
+from gateway.transport.control import ControlClient, post_json
 from prefix_index.chunking import scope_key
 from prefix_index.events import EventDecodeError, KvEventApplier, decode_batch
 

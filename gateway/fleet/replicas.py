@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import HealthConfig, PoolConfig, ReplicaConfig, ScrapeConfig
-from gateway.fleet.scrape import LoadSample, parse_metrics
-from gateway.fleet.tier_load import TierLoadMeter
-from gateway.routing.lora import (
+from gateway.fleet.lora import (
     LORA_INFO,
     LoraInfo,
     ReplicaAdapters,
     parse_lora_info,
     refresh_models,
 )
-from gateway.upstream.control import CONTROL_ERRORS, ControlClient, fetch, status_of
-from gateway.upstream.errors import UpstreamConnectTimeout
+from gateway.fleet.scrape import LoadSample, parse_metrics
+from gateway.fleet.tier_load import TierLoadMeter
+from gateway.transport.control import CONTROL_ERRORS, ControlClient, fetch, status_of
+from gateway.transport.errors import UpstreamConnectTimeout
 from policies.types import ReplicaView
 
 log = logging.getLogger("gateway.replicas")
@@ -234,7 +234,7 @@ class ReplicaState:
             if self.engine_started is not None and started != self.engine_started:
                 self.lost("the engine restarted (process_start_time_seconds changed)")
             self.engine_started = started
-        if lora is not None:  # adapters in flight, by the newest series (gateway/routing/lora.py)
+        if lora is not None:  # adapters in flight, by the newest series (gateway/fleet/lora.py)
             self.lora.set_metric(lora[0], lora[1], self.lora_max)
         tokens = sample.kv_tokens
         if tokens is not None and sample.block_size is not None:

@@ -56,7 +56,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -65,8 +65,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.config import Config
+from gateway.fleet.pools import Pool
+from gateway.fleet.replicas import ReplicaState
 from gateway.fleet.shared_scrape import ScrapeShare, replicas_by_url
-from gateway.snapshot import Snapshot
 from prefix_index import MemoryIndex, PrefixIndex
 from prefix_index._fastlane import ClusterLane, FastLane, Lane
 from prefix_index.redis_client import OUTAGE, Client, cancel, open_redis, redact_url
@@ -78,6 +79,18 @@ FLEET_OUTAGE = (RedisError, *OUTAGE)
 
 
 log = logging.getLogger("gateway.fleet")
+
+
+class Fleet(Protocol):
+    """What the shared load reads of the gateway's current snapshot (gateway/runtime/snapshot.py)."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def pools(self) -> Mapping[str, Pool]: ...
+
+    def replicas(self) -> list[ReplicaState]: ...
 
 CHANNEL = "kvgw:fleet:{%s}:push"  # the fleet's hash tag: one Cluster slot, like its hash
 
@@ -207,7 +220,7 @@ class FleetLoad:
     def __init__(
         self,
         config: Config,
-        current: Callable[[], Snapshot],
+        current: Callable[[], Fleet],
         notify: Callable[[str], None],
         client: Client | None = None,
     ) -> None:
@@ -374,7 +387,7 @@ class FleetLoad:
         self.tick_s += time.perf_counter() - t0
         return True
 
-    def _fold(self, snap: Snapshot, fields: Mapping[bytes, bytes] | None) -> None:
+    def _fold(self, snap: Fleet, fields: Mapping[bytes, bytes] | None) -> None:
         """Update the peers from `fields` (None: Redis did not answer) and set every replica's
         peer figures to the live peers' sums."""
         now = time.monotonic()
@@ -401,7 +414,7 @@ class FleetLoad:
         for name, pool in snap.pools.items():
             self._absorb(name, pool, live)
 
-    def _set_load(self, snap: Snapshot, live: list[dict[str, Any]]) -> None:
+    def _set_load(self, snap: Fleet, live: list[dict[str, Any]]) -> None:
         """Every replica's peer figures: the sums over the live peers' bodies (and its own
         figures' changes wired to the push publisher, for replicas a reload or discovery
         added since the last tick)."""
@@ -521,12 +534,12 @@ class FleetLoad:
         )
 
 
-def own_state(snap: Snapshot) -> tuple[dict[str, list[int]], dict[str, Any]]:
+def own_state(snap: Fleet) -> tuple[dict[str, list[int]], dict[str, Any]]:
     """What this gateway publishes, by tick and by push: its load figures, its learned sums."""
     return own_figures(snap), shared_learning(snap)
 
 
-def own_figures(snap: Snapshot) -> dict[str, list[Any]]:
+def own_figures(snap: Fleet) -> dict[str, list[Any]]:
     """Per replica URL: [in flight, uncached prompt tokens queued, placed blocks], then, while
     there are any, {key: tokens} of the new prefixes placed there not yet prefilled (a gateway
     that reads only the first three ignores it)."""
@@ -539,7 +552,7 @@ def own_figures(snap: Snapshot) -> dict[str, list[Any]]:
     return out
 
 
-def shared_learning(snap: Snapshot) -> dict[str, dict[str, dict[str, list[float]]]]:
+def shared_learning(snap: Fleet) -> dict[str, dict[str, dict[str, list[float]]]]:
     out = {}
     for name, pool in snap.pools.items():
         shared = pool.policy.share()
@@ -551,7 +564,7 @@ def shared_learning(snap: Snapshot) -> dict[str, dict[str, dict[str, list[float]
 
 
 def start_fleet_load(
-    current: Callable[[], Snapshot], notify: Callable[[str], None], registry: CollectorRegistry
+    current: Callable[[], Fleet], notify: Callable[[str], None], registry: CollectorRegistry
 ) -> FleetLoad | None:
     """The tick for the current config, started, with its metrics registered; None when load is
     not shared. Settings are read here: a change to `fleet:` takes effect at restart."""
@@ -578,7 +591,7 @@ def ready_fields(fleet: FleetLoad | None, index: PrefixIndex | None) -> dict[str
 
 
 class _FleetCollector(Collector):
-    def __init__(self, fleet: FleetLoad, current: Callable[[], Snapshot]) -> None:
+    def __init__(self, fleet: FleetLoad, current: Callable[[], Fleet]) -> None:
         self._fleet, self._current = fleet, current
 
     def collect(self) -> Iterator[Metric]:

@@ -33,9 +33,9 @@ from typing import Any
 
 import xxhash
 
+from gateway.fleet.lora import LoraInfo
 from gateway.fleet.replicas import ReplicaState
 from gateway.fleet.scrape import LoadSample
-from gateway.routing.lora import LoraInfo
 
 _SAMPLE_FIELDS = tuple(f.name for f in fields(LoadSample))
 

@@ -31,7 +31,6 @@ from starlette.routing import Route
 
 from gateway.api.kinds import PATHS, passthrough_kind
 from gateway.config import Config
-from gateway.config.reload import ConfigReloader
 from gateway.errors import (
     ConfigRejected,
     GatewayError,
@@ -45,16 +44,17 @@ from gateway.fleet.shared_load import ready_fields
 from gateway.http.endpoint import ProxyEndpoint, send_error
 from gateway.http.openapi import openapi_document
 from gateway.http.status import status_of
-from gateway.http.writer import ResponseWriter
 from gateway.limits.budgets import BUSY_RETRY_S, BodyBudget
-from gateway.pipeline import Pipeline
-from gateway.runtime import Gateway
+from gateway.pipeline.by_id import KINDS as BY_ID
+from gateway.pipeline.by_id import PREFIX as RESPONSE_IDS
+from gateway.pipeline.by_id import by_id, response_route
+from gateway.pipeline.steps import Pipeline
+from gateway.runtime.gateway import Gateway
+from gateway.runtime.reload import ConfigReloader
 from gateway.telemetry.tracing import Tracing
+from gateway.transport.control import model_cards
+from gateway.transport.writer import ResponseWriter
 from gateway.types import Receive, Scope, Send
-from gateway.upstream.control import model_cards
-from gateway.upstream.response_ids import KINDS as BY_ID
-from gateway.upstream.response_ids import PREFIX as RESPONSE_IDS
-from gateway.upstream.response_ids import by_id, response_route
 from gateway.version import gateway_version
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -156,7 +156,7 @@ class GatewayApp:
         return endpoint
 
     def begin_shutdown(self, grace_s: float) -> None:
-        """The server's graceful shutdown began (gateway/http/protocol.py): end streams in time."""
+        """The server's graceful shutdown began (gateway/transport/protocol.py): end streams in time."""
         self.gateway.live_streams.close_in(grace_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

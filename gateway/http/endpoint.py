@@ -23,14 +23,14 @@ from gateway.errors import (
     RequestTimeout,
     error_body,
 )
-from gateway.http import delays
-from gateway.http.protocol import body_buffered
-from gateway.http.writer import ResponseWriter
 from gateway.limits.budgets import BodyBudget, shutting_down
 from gateway.limits.tenants import Tenant
-from gateway.pipeline import Pipeline, RawHeaders
-from gateway.snapshot import Snapshot
-from gateway.telemetry.record import Record, request_id
+from gateway.pipeline.record import Record, request_id
+from gateway.pipeline.steps import Pipeline, RawHeaders
+from gateway.runtime.snapshot import Snapshot
+from gateway.transport import delays
+from gateway.transport.protocol import body_buffered
+from gateway.transport.writer import ResponseWriter
 from gateway.types import Receive, Scope, Send
 
 log = logging.getLogger("gateway")

@@ -135,7 +135,7 @@ _RESPONSE_ID = {
 
 def response_id_paths(errors: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     """`GET`/`DELETE /v1/responses/{response_id}`, `POST .../cancel`: sent to the replica that
-    made the response (gateway/upstream/response_ids.py) and relayed as it answers."""
+    made the response (gateway/pipeline/by_id.py) and relayed as it answers."""
 
     def op(op_id: str, summary: str) -> dict[str, Any]:
         return {

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from gateway.fleet.replicas import OPEN, ReplicaState
-from gateway.runtime import Gateway
+from gateway.runtime.gateway import Gateway
 from gateway.telemetry.window import RollingWindow
 
 DECISIONS = 50  # routing decisions included, newest last

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from gateway.errors import ServerBusy
-from gateway.upstream.client import UpstreamResponse
+from gateway.transport.client import UpstreamResponse
 
 BUSY_RETRY_S = 1.0  # Retry-After of a 503 for full request slots or body bytes
 ANSWER_RETRY_S = 1.0  # Retry-After of the 503 for a full answer budget

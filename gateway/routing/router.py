@@ -25,7 +25,7 @@ import orjson
 from gateway.api.kinds import KINDS, PromptOf
 from gateway.api.openai import ParsedRequest
 from gateway.errors import NoReplicaAvailable, NotFound
-from gateway.routing.lora import unserved
+from gateway.fleet.lora import unserved
 from policies.pd_decode import rank_decode
 from policies.types import Decision, Outcome, ReplicaView, RoutedRequest
 from prefix_index.chunking import scope_key
@@ -86,7 +86,7 @@ def decision_header(routing: Routing) -> tuple[bytes, bytes]:
 
 
 class Offer(Protocol):
-    """Managed LoRA placement's offer (gateway/routing/lora_placement.py): before a choice, the adapters
+    """Managed LoRA placement's offer (gateway/forwarding/lora_placement.py): before a choice, the adapters
     each replica of `pool` may load for a request of `model` (its views' `loadable`)."""
 
     def offer(self, pool: Pool, model: str) -> None: ...

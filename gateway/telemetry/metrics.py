@@ -3,23 +3,21 @@
 Request counters and histograms are plain numbers (`tallies.py`) read at scrape time.
 
 Per-replica gauges are read from the live replica state at scrape time, so the hot path pays nothing
-for them.
+for them: their collectors stand with what they read (gateway/fleet/metrics.py, tier_metrics.py,
+gateway/limits/metrics.py), registered through `Metrics.watch`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.fleet.replicas import CLOSED, HALF_OPEN, OPEN, ReplicaState
-from gateway.limits.admission import Admission
 from gateway.telemetry.receipt import ERROR_BUCKETS
 from gateway.telemetry.tallies import CounterTally, HistogramTally, LabelCap, Tallies
-from gateway.telemetry.tier_metrics import TierCollector
 
 # LLM latencies span milliseconds (a cached short prompt) to minutes (a long generation)
 LATENCY_BUCKETS = (
@@ -158,11 +156,10 @@ class Metrics:
             )
         )
 
-    def watch_replicas(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
-        self.registry.register(_ReplicaCollector(replicas))
-
-    def watch_admission(self, admission: Callable[[], Admission]) -> None:
-        self.registry.register(_AdmissionCollector(admission))
+    def watch(self, collector: Collector) -> None:
+        """A collector of a higher floor's state, read at scrape time (the replicas' in
+        gateway/fleet/metrics.py, the admission queue's in gateway/limits/metrics.py)."""
+        self.registry.register(collector)
 
     def watch_index(self, state: Callable[[], tuple[Any, Any, dict[str, int]]]) -> None:
         """`state()` gives (index, kv_events or None, token parity by replica)."""
@@ -171,10 +168,6 @@ class Metrics:
     def watch_tracing(self, sink: Callable[[], object]) -> None:
         """`sink()` gives the tracing's span sink (None when tracing is off)."""
         self.registry.register(_TracingCollector(sink))
-
-    def watch_tiers(self, pools: Callable[[], Mapping[str, Any]]) -> None:
-        """`pools()` gives the current pools: their by-tier audits and learned tier bandwidths."""
-        self.registry.register(TierCollector(pools))
 
     def watch_redis(self, parts: Callable[[], Iterable[tuple[str, object]]]) -> None:
         """`parts()` gives (component, store) pairs; one with a RedisHealth `health` is on Redis."""
@@ -342,119 +335,3 @@ class _IndexCollector(Collector):
             for kind, n in kinds:
                 tiers.add_metric([sub.replica, kind], n)
         yield tiers
-
-
-class _AdmissionCollector(Collector):
-    def __init__(self, admission: Callable[[], Admission]) -> None:
-        self._admission = admission
-
-    def collect(self) -> Iterator[Metric]:
-        st = self._admission().stats()
-        qlen = GaugeMetricFamily(
-            "gateway_queue_length",
-            "Requests waiting at the gateway for a slot.",
-            labels=["pool", "priority"],
-        )
-        oldest = GaugeMetricFamily(
-            "gateway_queue_oldest_wait_seconds",
-            "How long the oldest waiting request has waited.",
-            labels=["pool", "priority"],
-        )
-        for pool, per in st.queues.items():
-            for klass, q in per.items():
-                qlen.add_metric([pool, klass], q.queued)
-                oldest.add_metric([pool, klass], q.oldest_wait_s)
-        admitted = CounterMetricFamily(
-            "gateway_admitted",
-            "Requests admitted to routing, by pool, class and tenant.",
-            labels=["pool", "priority", "tenant"],
-        )
-        for (pool, klass, tenant), n in st.admitted.items():
-            admitted.add_metric([pool, klass, tenant], n)
-        shed = CounterMetricFamily(
-            "gateway_shed",
-            "Requests shed by admission (queue_full or timeout), by pool, class and tenant.",
-            labels=["pool", "priority", "tenant", "reason"],
-        )
-        for (pool, klass, tenant, reason), n in st.shed.items():
-            shed.add_metric([pool, klass, tenant, reason], n)
-        yield from (qlen, oldest, admitted, shed)
-
-
-class _ReplicaCollector(Collector):
-    def __init__(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
-        self._replicas = replicas
-
-    def collect(self) -> Iterator[Metric]:
-        import time
-
-        now = time.monotonic()
-        labels = ["pool", "replica"]
-        up = GaugeMetricFamily(
-            "gateway_replica_up",
-            "1 when the replica is proven healthy (circuit closed, not draining); 0 while its "
-            "circuit is open or on trial (half-open), so a dead replica reads 0 throughout.",
-            labels=labels,
-        )
-        circuit = GaugeMetricFamily(
-            "gateway_replica_circuit_state",
-            "Circuit breaker state of the replica: 1 for the current state.",
-            labels=[*labels, "state"],
-        )
-        inflight = GaugeMetricFamily(
-            "gateway_replica_inflight_requests",
-            "Requests the gateway has in flight on the replica.",
-            labels=labels,
-        )
-        pending = GaugeMetricFamily(
-            "gateway_replica_inflight_prompt_tokens",
-            "Uncached prompt tokens sent to the replica and not yet prefilled (gateway's count).",
-            labels=labels,
-        )
-        waiting = GaugeMetricFamily(
-            "gateway_replica_waiting_requests",
-            "Waiting requests scraped from the replica.",
-            labels=labels,
-        )
-        running = GaugeMetricFamily(
-            "gateway_replica_running_requests",
-            "Running requests scraped from the replica.",
-            labels=labels,
-        )
-        kv = GaugeMetricFamily(
-            "gateway_replica_kv_usage_ratio",
-            "KV cache usage (0-1) scraped from the replica.",
-            labels=labels,
-        )
-        busy = CounterMetricFamily(
-            "gateway_replica_busy_timeouts",
-            "Timeouts on the replica (a connect, a first byte, a health probe) while it was "
-            "heard from within health.dead_after_s: busy, not dead; not counted against its "
-            "circuit.",
-            labels=labels,
-        )
-        silent = GaugeMetricFamily(
-            "gateway_replica_silent_seconds",
-            "Seconds since the replica last sent a byte of anything (an answer, a probe's, a "
-            "scrape's), as of its last look (every scrape or probe).",
-            labels=labels,
-        )
-        for r in self._replicas():
-            lv = [r.pool, r.name]
-            busy.add_metric(lv, r.busy)
-            silent.add_metric(lv, max(0.0, now - r.heard_at))
-            state = r.circuit.current(now)
-            up.add_metric(lv, 1.0 if r.proven(now) else 0.0)
-            for s in (CLOSED, OPEN, HALF_OPEN):
-                circuit.add_metric([*lv, s], 1.0 if state == s else 0.0)
-            inflight.add_metric(lv, r.inflight)
-            pending.add_metric(lv, r.inflight_prompt_tokens)
-            fresh = r.scraped is not None and now - r.scraped_at <= r.stale_after_s
-            if fresh and r.scraped is not None:
-                if r.scraped.waiting is not None:
-                    waiting.add_metric(lv, r.scraped.waiting)
-                if r.scraped.running is not None:
-                    running.add_metric(lv, r.scraped.running)
-                if r.scraped.kv_usage is not None:
-                    kv.add_metric(lv, r.scraped.kv_usage)
-        yield from (up, circuit, inflight, pending, waiting, running, kv, busy, silent)

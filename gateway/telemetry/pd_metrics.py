@@ -1,14 +1,11 @@
-"""The series of disaggregated (P/D) pools, per role, registered beside metrics.py's (gateway/upstream/pd.py
+"""The series of disaggregated (P/D) pools, per role, registered beside metrics.py's (gateway/forwarding/pd.py
 feeds them; docs/operations.md "Metrics" and docs/pd.md list them)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from prometheus_client import CollectorRegistry
 
 from gateway.telemetry.tallies import CounterTally, HistogramTally, Tallies
-
-if TYPE_CHECKING:
-    from gateway.runtime import Gateway
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -16,7 +13,7 @@ TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 class PdMetrics:
     """The per-role series (registered once per app, beside metrics.py's)."""
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.legs = CounterTally(
             "gateway_pd_legs_total",
             "Legs of disaggregated requests sent, by pool, role (prefill|decode), replica and "
@@ -36,4 +33,4 @@ class PdMetrics:
             ["pool", "replica"],
             TRANSFER_BUCKETS,
         )
-        gw.metrics.registry.register(Tallies([self.legs, self.prefill, self.transfer]))
+        registry.register(Tallies([self.legs, self.prefill, self.transfer]))

@@ -182,7 +182,7 @@ SEGMENTS = (
     "upstream.decode",
     "upstream.generate",
 )
-# a disaggregated pool's request (gateway/upstream/pd.py) also has kv.transfer: its prefill leg answered
+# a disaggregated pool's request (gateway/forwarding/pd.py) also has kv.transfer: its prefill leg answered
 # (upstream.prefill) → the decode replica's first byte; the order segments are built in
 _ORDER = (*SEGMENTS[:3], "kv.transfer", *SEGMENTS[3:])
 SPAN_KINDS: dict[str, str] = {

@@ -19,5 +19,5 @@ def test_the_profile_of_a_loaded_gateway_names_its_request_path() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     first = res.stdout.splitlines()[0]
     assert "0 errors" in first and " 0 answers" not in first, first
-    assert "gateway/pipeline.py" in res.stdout and "(handle)" in res.stdout
+    assert "gateway/pipeline/steps.py" in res.stdout and "(handle)" in res.stdout
     assert "export thread:" in res.stdout

@@ -25,7 +25,7 @@ import yaml
 
 from gateway import create_app, load_config
 from gateway.config import ConfigError, parse_config
-from gateway.upstream.client import HttpClient
+from gateway.transport.client import HttpClient
 from tests.chaos.conftest import (
     ADMIN_KEY,
     MODEL,

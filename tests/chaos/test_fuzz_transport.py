@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.http.protocol import HEADER_TIMEOUT_S
+from gateway.transport.protocol import HEADER_TIMEOUT_S
 from tests.chaos.conftest import (
     MODEL,
     TENANT_KEY,

@@ -14,7 +14,7 @@ import uvicorn
 
 from bench.access_log import access_lines
 from gateway import create_app, parse_config
-from gateway.http.protocol import GuardedHttpToolsProtocol
+from gateway.transport.protocol import GuardedHttpToolsProtocol
 from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until, start_server
 

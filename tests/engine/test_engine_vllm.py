@@ -26,7 +26,7 @@ from bench.shapes import SHAPES
 from gateway.fleet.kv_events import check_parity
 from gateway.fleet.scrape import _CACHE_INFO, _FIELDS, parse_metrics
 from gateway.telemetry.tracing import Tracing
-from gateway.upstream.control import open_control_client
+from gateway.transport.control import open_control_client
 from prefix_index.chunking import TokenChunker
 from simulator import Fleet
 from tests.engine.conftest import KV_BLOCKS, Engine, gateway

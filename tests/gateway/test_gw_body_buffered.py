@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from gateway.http.endpoint import read_body
-from gateway.http.protocol import GuardedHttpToolsProtocol, body_buffered
+from gateway.transport.protocol import GuardedHttpToolsProtocol, body_buffered
 from tests.support import start_server
 
 

@@ -16,7 +16,7 @@ import pytest
 from gateway.config import HealthConfig, PoolConfig, ReplicaConfig, ScrapeConfig
 from gateway.fleet.kv_events import check_parity
 from gateway.fleet.replicas import ReplicaMonitor, ReplicaState
-from gateway.upstream.control import (
+from gateway.transport.control import (
     BodyTooLarge,
     ControlClient,
     fetch,

@@ -19,7 +19,7 @@ import yaml
 
 from gateway import create_app, parse_config
 from gateway.http.status import status_of
-from gateway.runtime import Gateway
+from gateway.runtime.gateway import Gateway
 from gateway.telemetry.window import RollingWindow, quantile
 from tests.gateway.conftest import rig
 from tests.gateway.fake_replica import Upstream

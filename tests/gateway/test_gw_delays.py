@@ -1,4 +1,4 @@
-"""`gateway/http/delays.py`: deadlines of one fixed delay on one loop timer, and what the server's
+"""`gateway/transport/delays.py`: deadlines of one fixed delay on one loop timer, and what the server's
 connections wait on with it (the keep-alive timeout, served by a real uvicorn over real sockets)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import contextvars
 
 import uvicorn
 
-from gateway.http import delays
-from gateway.http.protocol import GuardedHttpToolsProtocol
+from gateway.transport import delays
+from gateway.transport.protocol import GuardedHttpToolsProtocol
 
 
 def pending_timers(loop: asyncio.AbstractEventLoop) -> int:

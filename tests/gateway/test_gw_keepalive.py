@@ -30,7 +30,7 @@ from bench.access_log import access_lines
 from bench.harness import start_server
 from gateway import create_app, parse_config
 from gateway.cli import server_options
-from gateway.http.protocol import DEADLINE_TICK_S, GuardedHttpToolsProtocol
+from gateway.transport.protocol import DEADLINE_TICK_S, GuardedHttpToolsProtocol
 from tests.gateway.fake_replica import Upstream
 
 KEY = "sk-keepalive-test-41aa"

@@ -20,7 +20,7 @@ import pytest
 from bench.harness import lifespan_done, read_body, stop_all
 from gateway import create_app, parse_config
 from gateway.config import ConfigError
-from gateway.routing.lora import (
+from gateway.fleet.lora import (
     ReplicaAdapters,
     adapters_of,
     parse_lora_info,
@@ -28,8 +28,8 @@ from gateway.routing.lora import (
     sglang_names,
     unserved,
 )
-from gateway.routing.lora_placement import LoraPlacement
-from gateway.runtime import Gateway
+from gateway.forwarding.lora_placement import LoraPlacement
+from gateway.runtime.gateway import Gateway
 from simulator.fleet import Fleet
 from simulator.lora import LoraConfig
 from tests.support import Served, poll_until, start_server

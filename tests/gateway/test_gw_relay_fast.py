@@ -22,7 +22,7 @@ import pytest
 from bench.harness import stop_all
 from gateway import create_app, parse_config
 from gateway.api.streams import StreamTap
-from gateway.http.protocol import BodyWriter, GuardedHttpToolsProtocol
+from gateway.transport.protocol import BodyWriter, GuardedHttpToolsProtocol
 from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until, start_server
 

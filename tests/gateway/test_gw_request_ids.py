@@ -1,4 +1,4 @@
-"""New request ids (gateway/pipeline.py `request_id`): 32 hex digits, never repeated within a
+"""New request ids (gateway/pipeline/steps.py `request_id`): 32 hex digits, never repeated within a
 process, and a forked child (a worker) draws a prefix of its own; a client's id is kept."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from gateway.telemetry.record import request_id
+from gateway.pipeline.record import request_id
 
 
 def test_new_ids_are_unique_hex_and_a_clients_id_is_kept() -> None:
@@ -20,7 +20,7 @@ def test_new_ids_are_unique_hex_and_a_clients_id_is_kept() -> None:
 # In a process of its own: this one has threads, and forking one that has is deprecated.
 _FORK = """
 import os
-from gateway.telemetry.record import request_id
+from gateway.pipeline.record import request_id
 parent = request_id({})
 read, write = os.pipe()
 pid = os.fork()

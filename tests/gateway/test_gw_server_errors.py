@@ -1,4 +1,4 @@
-"""What the server layer answers by itself (gateway/http/protocol.py, uvicorn under it): the
+"""What the server layer answers by itself (gateway/transport/protocol.py, uvicorn under it): the
 app's failures and uvicorn's own refusals are OpenAI-shaped JSON errors, read over a raw socket
 (issue 39). The parser's 400s and the header caps' 431s are in tests/chaos/test_fuzz_transport.py,
 against a gateway process."""
@@ -12,7 +12,7 @@ import orjson
 
 from bench.harness import Served, serve, server_config
 from gateway import create_app, parse_config
-from gateway.http.protocol import GuardedHttpToolsProtocol
+from gateway.transport.protocol import GuardedHttpToolsProtocol
 from tests.support import start_server
 
 ADMIN = "adm-errors-7f3a0c2e91"

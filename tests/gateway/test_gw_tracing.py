@@ -27,6 +27,8 @@ from pydantic import SecretStr, ValidationError
 from bench.harness import free_port
 from gateway import create_app, parse_config
 from gateway.errors import ERROR_TYPES
+from gateway.forwarding.failover import attempt_outcome
+from gateway.forwarding.relay import Retryable
 from gateway.telemetry.trace import ROOT_SPAN, ROUTE_ATTRIBUTES, SPAN_KINDS, TYPES
 from gateway.telemetry.tracing import (
     ATTEMPT_ATTRIBUTES,
@@ -39,8 +41,6 @@ from gateway.telemetry.tracing import (
     resolve,
     resolve_exporter,
 )
-from gateway.upstream.failover import attempt_outcome
-from gateway.upstream.proxy import Retryable
 from policies.base import COLD, GUARD, HOME, NO_CANDIDATES, ONLY_CANDIDATE, TIE
 from policies.registry import TABLE, _lookup
 from tests.gateway.fake_replica import Upstream
@@ -675,7 +675,7 @@ def test_the_values_the_docs_name_exist() -> None:
     named = {v for v in ticked(root["gateway.route.reason"][1]) if re.fullmatch(r"\w+", v)}
     assert named <= reasons
     assert scorers <= ticked(root["gateway.route.reason"][1])  # every scorer's reason is named
-    # the outcomes a Record and a Forwarded can end with (gateway/telemetry/record.py, failover.py)
+    # the outcomes a Record and a Forwarded can end with (gateway/pipeline/record.py, failover.py)
     outcomes = {"ok", "error", "upstream_error", "client_disconnected", "broken_mid_stream"}
     assert ticked(root["gateway.outcome"][1]) == outcomes
     assert ticked(root["error.type"][1]) <= {*ERROR_TYPES, "client_disconnected"}

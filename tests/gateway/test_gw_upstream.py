@@ -21,7 +21,7 @@ import pytest
 import uvloop
 
 from bench.harness import read_body
-from gateway.upstream.client import (
+from gateway.transport.client import (
     HIGH_WATER_BYTES,
     HttpClient,
     UpstreamBrokenError,

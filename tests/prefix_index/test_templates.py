@@ -22,7 +22,7 @@ pytest.importorskip("jinja2")
 
 from gateway import ConfigError, create_app, parse_config  # noqa: E402
 from gateway.fleet.kv_events import check_parity  # noqa: E402
-from gateway.upstream.control import open_control_client  # noqa: E402
+from gateway.transport.control import open_control_client  # noqa: E402
 from prefix_index.chunking import TokenChunker, make_chunker, scope_key  # noqa: E402
 from prefix_index.templates import load_chat_template  # noqa: E402
 from simulator import Fleet  # noqa: E402

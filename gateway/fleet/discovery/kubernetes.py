@@ -25,7 +25,7 @@ from gateway.fleet.discovery.base import (
     settled,
     warn_outage,
 )
-from gateway.upstream.control import open_api_client
+from gateway.transport.control import open_api_client
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 _SLICES_PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"

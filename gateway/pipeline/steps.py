@@ -16,22 +16,22 @@ from gateway.api.kinds import EndpointKind
 from gateway.api.openai import ParsedRequest
 from gateway.errors import GatewayError
 from gateway.fleet.pools import Pool
-from gateway.http.writer import ResponseWriter
+from gateway.forwarding.failover import Failover
+from gateway.forwarding.lora_placement import LoraPlacement
+from gateway.forwarding.outbound import Outbound, upstream_body, upstream_headers
+from gateway.forwarding.pd import PD_KINDS, PdForwarder
 from gateway.limits.ratelimit import Rule, costs_for, rate_limited
 from gateway.limits.ratelimit import headers as ratelimit_headers
 from gateway.limits.tenants import Tenant, requested_priority
-from gateway.routing.lora_placement import LoraPlacement
+from gateway.pipeline.record import Record, Recorder
 from gateway.routing.router import Dispatched, PdDispatch, RouteInput, Routing
 from gateway.routing.sticky import Homes
-from gateway.snapshot import Snapshot, pick_pool
-from gateway.telemetry.record import Record, Recorder
+from gateway.runtime.snapshot import Snapshot, pick_pool
+from gateway.transport.writer import ResponseWriter
 from gateway.types import Headers
-from gateway.upstream.failover import Failover
-from gateway.upstream.outbound import Outbound, upstream_body, upstream_headers
-from gateway.upstream.pd import PD_KINDS, PdForwarder
 
 if TYPE_CHECKING:
-    from gateway.runtime import Gateway
+    from gateway.runtime.gateway import Gateway
 
 RawHeaders = dict[bytes, bytes]
 

@@ -10,7 +10,7 @@ lane will not write), they go through ASGI `send`. Callers never choose: they `w
 
 from __future__ import annotations
 
-from gateway.http.protocol import BodyWriter, body_writer
+from gateway.transport.protocol import BodyWriter, body_writer
 from gateway.types import Headers, Send
 
 SEND_SLICE = 256 * 1024  # a large whole answer goes in slices, each waiting for the last to drain

@@ -30,16 +30,15 @@ from urllib.parse import urlsplit
 import orjson
 
 from gateway.errors import UpstreamError
-from gateway.http.writer import ResponseWriter
+from gateway.forwarding.failover import Failover, _all_failed, attempt_outcome
+from gateway.forwarding.outbound import Forwarded, Links, Outbound
+from gateway.forwarding.relay import Opened, Retryable, open_upstream
 from gateway.routing.router import Dispatch, PdDispatch
 from gateway.telemetry.pd_metrics import PdMetrics
-from gateway.upstream.failover import Failover, _all_failed, attempt_outcome
-from gateway.upstream.outbound import Forwarded, Outbound
-from gateway.upstream.proxy import Opened, Retryable, open_upstream
+from gateway.transport.writer import ResponseWriter
 
 if TYPE_CHECKING:
     from gateway.fleet.pools import Pool
-    from gateway.runtime import Gateway
 
 PD_KINDS = frozenset(
     {"chat", "completions"}
@@ -66,9 +65,9 @@ class PdForwarder:
     """A disaggregated pool's forwarder, beside the plain one (`Failover`): the pipeline's steps
     are the same, the pool picks which forwards (`Pipeline.forwarder`)."""
 
-    def __init__(self, gw: Gateway, failover: Failover) -> None:
-        self.gw, self.failover = gw, failover
-        self.metrics = PdMetrics(gw)
+    def __init__(self, links: Links, failover: Failover) -> None:
+        self.gw, self.failover = links, failover
+        self.metrics = PdMetrics(links.metrics.registry)
 
     # --- forward --------------------------------------------------------------------------------
     async def forward(

@@ -14,17 +14,20 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gateway.config import Config, ReplicaConfig
-from gateway.fleet.background import Background
 from gateway.fleet.kv_events import KvEvents
+from gateway.fleet.metrics import ReplicaCollector
 from gateway.fleet.pools import Pool, Update, apply_updates, replica_states, with_set
 from gateway.fleet.replicas import ReplicaState
 from gateway.fleet.shared_load import FleetLoad, start_fleet_load
+from gateway.fleet.tier_metrics import TierCollector
 from gateway.limits.admission import Admission, shed_all
 from gateway.limits.budgets import AnswerBudget, LiveStreams
+from gateway.limits.metrics import AdmissionCollector
 from gateway.limits.ratelimit import RateLimiter
 from gateway.limits.tenants import TenantDirectory
 from gateway.routing.router import Router
-from gateway.snapshot import (
+from gateway.runtime.background import Background
+from gateway.runtime.snapshot import (
     Built,
     Snapshot,
     build_snapshot,
@@ -37,8 +40,8 @@ from gateway.snapshot import (
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import Tracing
 from gateway.telemetry.window import RollingWindow
-from gateway.upstream.client import HttpClient
-from gateway.upstream.control import ControlClient, open_control_client
+from gateway.transport.client import HttpClient
+from gateway.transport.control import ControlClient, open_control_client
 from prefix_index import PrefixIndex
 from prefix_index.chunking import Chunker
 
@@ -60,14 +63,14 @@ class Gateway:
         self._upstream: HttpClient | None = None  # the request path
         self._background: Background | None = None
         self.fleet: FleetLoad | None = None  # shared load with the fleet's other gateways
-        self.metrics.watch_replicas(self.all_replicas)
-        self.metrics.watch_admission(lambda: self.current.admission)
+        self.metrics.watch(ReplicaCollector(self.all_replicas))
+        self.metrics.watch(AdmissionCollector(lambda: self.current.admission))
         self.metrics.watch_index(lambda: (self.current.index, self.kv_events, self.parity))
         self.metrics.watch_redis(
             lambda: (("index", self.current.index), ("ratelimit", self.current.limiter))
         )
         self.metrics.watch_tracing(lambda: self.tracing.sink)
-        self.metrics.watch_tiers(lambda: self.pools)
+        self.metrics.watch(TierCollector(lambda: self.pools))
 
     # --- the current snapshot's parts (read-only; a change is a new snapshot) --------------------
     @property

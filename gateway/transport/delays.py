@@ -11,7 +11,7 @@ short-lived deadlines costs at most `1 / tick_s` loop timers a second, however m
 
 `shared(loop, delay_s, tick_s)` is the loop's queue of that delay, for everything on that loop.
 Deadlines of varying length (an upstream response's header, idle and total timeouts) wait on the
-upstream client's slotted wheel instead (`gateway/upstream/client.py` `_Timers`).
+upstream client's slotted wheel instead (`gateway/transport/client.py` `_Timers`).
 """
 
 from __future__ import annotations

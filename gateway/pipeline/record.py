@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.errors import GatewayError
 from gateway.fleet.pools import Pool
+from gateway.forwarding.outbound import Forwarded
 from gateway.limits.ratelimit import Rule
 from gateway.routing.router import Routing
 from gateway.telemetry.logs import ACCESS, AccessLine, log_access
 from gateway.telemetry.receipt import Receipt, receipt
 from gateway.telemetry.trace import ROUTE_ATTRIBUTES, Named
 from gateway.telemetry.tracing import RequestTrace
-from gateway.upstream.outbound import Forwarded
 from policies.types import Decision
 
 if TYPE_CHECKING:
-    from gateway.runtime import Gateway
-    from gateway.snapshot import Snapshot
+    from gateway.runtime.gateway import Gateway
+    from gateway.runtime.snapshot import Snapshot
 
 
 @dataclass(slots=True)

@@ -31,11 +31,11 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gateway.errors import GatewayError, NoReplicaAvailable, NotFound, UpstreamError
+from gateway.fleet.lora import post_adapter
 from gateway.fleet.pools import Pool
 from gateway.fleet.replicas import ReplicaState
-from gateway.routing.lora import post_adapter
 from gateway.routing.router import Dispatch, Router, Routing
-from gateway.upstream.control import ControlClient
+from gateway.transport.control import ControlClient
 
 log = logging.getLogger("gateway.lora")
 LOAD_PATH, UNLOAD_PATH = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"

@@ -1,5 +1,5 @@
 """`pools.<name>.discovery` (and a P/D set's `pools.<name>.prefill|decode.discovery`): one model
-per kind, each building its backend (`open_discovery`)."""
+per kind; gateway/fleet/discovery's `open_discovery` builds each kind's backend."""
 
 from __future__ import annotations
 
@@ -7,11 +7,6 @@ from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from gateway.fleet.discovery.base import Discovery, endpoint
-from gateway.fleet.discovery.dns import DnsDiscovery
-from gateway.fleet.discovery.kubernetes import KubernetesDiscovery
-from gateway.fleet.discovery.static import StaticDiscovery
 
 
 class _Strict(BaseModel):
@@ -33,13 +28,6 @@ class StaticDiscoveryConfig(_Strict):
                 raise ValueError(f"[{i}]: must be scheme://host:port with no path")
         return v
 
-    def build(self) -> Discovery:
-        found = []
-        for url in self.endpoints:
-            parts = urlsplit(url)
-            assert parts.hostname is not None and parts.port is not None  # checked above
-            found.append(endpoint(parts.scheme, parts.hostname, parts.port))
-        return StaticDiscovery(found)
 
 
 class DnsDiscoveryConfig(_Strict):
@@ -50,10 +38,6 @@ class DnsDiscoveryConfig(_Strict):
     interval_s: float = Field(5.0, gt=0)
     timeout_s: float = Field(5.0, gt=0)
 
-    def build(self) -> Discovery:
-        return DnsDiscovery(
-            self.name, self.port, self.scheme, self.interval_s, timeout_s=self.timeout_s
-        )
 
 
 class KubernetesDiscoveryConfig(_Strict):
@@ -69,19 +53,6 @@ class KubernetesDiscoveryConfig(_Strict):
     retry_s: float = Field(2.0, gt=0)  # first backoff after an API error (doubles, up to 30 s)
     watch_timeout_s: int = Field(300, ge=1)
 
-    def build(self) -> Discovery:
-        return KubernetesDiscovery(
-            self.service,
-            self.namespace,
-            port_name=self.port_name,
-            label_selector=self.label_selector,
-            api_url=self.api_url,
-            token_path=self.token_path,
-            ca_path=self.ca_path,
-            scheme=self.scheme,
-            retry_s=self.retry_s,
-            watch_timeout_s=self.watch_timeout_s,
-        )
 
 
 DiscoveryConfig = Annotated[
@@ -89,6 +60,3 @@ DiscoveryConfig = Annotated[
     Field(discriminator="kind"),
 ]
 
-
-def open_discovery(config: DiscoveryConfig) -> Discovery:
-    return config.build()

@@ -44,7 +44,7 @@ from gateway.errors import (
     ServerBusy,
     error_body,
 )
-from gateway.http import delays
+from gateway.transport import delays
 from gateway.types import Receive, Scope, Send
 
 MAX_HEADER_BYTES = 64 * 1024

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import httptools
 
-from gateway.upstream.errors import (
+from gateway.transport.errors import (
     UpstreamBrokenError,
     UpstreamConnectError,
     UpstreamProtocolError,

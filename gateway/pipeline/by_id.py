@@ -23,16 +23,16 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.pipeline import Pipeline, RawHeaders
-from gateway.telemetry.record import Record
-from gateway.upstream.failover import attempt_outcome
-from gateway.upstream.outbound import upstream_headers
-from gateway.upstream.proxy import Retryable, normalize_error_body, open_upstream, send_whole
+from gateway.forwarding.failover import attempt_outcome
+from gateway.forwarding.outbound import upstream_headers
+from gateway.forwarding.relay import Retryable, normalize_error_body, open_upstream, send_whole
+from gateway.pipeline.record import Record
+from gateway.pipeline.steps import Pipeline, RawHeaders
 
 if TYPE_CHECKING:
-    from gateway.http.writer import ResponseWriter
     from gateway.limits.tenants import Tenant
-    from gateway.snapshot import Snapshot
+    from gateway.runtime.snapshot import Snapshot
+    from gateway.transport.writer import ResponseWriter
 
 PREFIX = "/v1/responses/"
 # a route name -> its kind (what the request log and traces call its method)

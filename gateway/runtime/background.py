@@ -16,12 +16,12 @@ import logging
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, Protocol
 
-from gateway.fleet.discovery import DiscoveryConfig, DiscoveryError
+from gateway.fleet.discovery import DiscoveryConfig, DiscoveryError, open_discovery
 from gateway.fleet.kv_events import KvEvents, check_parity
 from gateway.fleet.pools import Pool
 from gateway.fleet.replicas import ReplicaMonitor, ReplicaState
-from gateway.snapshot import Snapshot
-from gateway.upstream.control import ControlClient, model_cards
+from gateway.runtime.snapshot import Snapshot
+from gateway.transport.control import ControlClient, model_cards
 
 log = logging.getLogger("gateway")
 
@@ -201,7 +201,7 @@ class Background:
     async def _watch(self, source: Source, cfg: DiscoveryConfig) -> None:
         pool, role = source
         try:
-            async with contextlib.aclosing(cfg.build().watch()) as found:
+            async with contextlib.aclosing(open_discovery(cfg).watch()) as found:
                 async for endpoints in found:
                     eps = [(e.name, e.url) for e in endpoints]
                     if role is None:

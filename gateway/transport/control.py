@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from gateway.upstream.client import HttpClient
-from gateway.upstream.errors import UpstreamClientError, UpstreamTooLargeError
+from gateway.transport.client import HttpClient
+from gateway.transport.errors import UpstreamClientError, UpstreamTooLargeError
 
 __all__ = [
     "CONTROL_ERRORS",

@@ -6,20 +6,46 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import orjson
 
 from gateway.api.kinds import EndpointKind
 from gateway.api.openai import ParsedRequest
 from gateway.fleet.pools import Pool
+from gateway.forwarding.relay import with_stream_usage
 from gateway.routing.router import Router, Routing, cache_salt, decision_header
 from gateway.types import Headers
-from gateway.upstream.proxy import with_stream_usage
 
 if TYPE_CHECKING:
     from gateway.errors import GatewayError
+    from gateway.limits.budgets import AnswerBudget, LiveStreams
+    from gateway.telemetry.metrics import Metrics
     from gateway.telemetry.tracing import RequestTrace
+    from gateway.transport.client import HttpClient
+    from gateway.transport.control import ControlClient
+
+
+class Links(Protocol):
+    """What a forwarder sends with and reports to: the parts of the gateway that outlive
+    snapshots (gateway/runtime/gateway.py's `Gateway` is one), read at each request."""
+
+    @property
+    def upstream(self) -> HttpClient: ...  # the request path's client
+
+    @property
+    def session(self) -> ControlClient: ...  # the control client (LoRA loads)
+
+    @property
+    def answers(self) -> AnswerBudget: ...  # answer bytes held
+
+    @property
+    def live_streams(self) -> LiveStreams: ...  # the streams a shutdown ends
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    def notify_capacity(self, pool: str) -> None: ...  # wake the pool's admission queue
 
 
 @dataclass(slots=True)
@@ -77,7 +103,7 @@ class Forwarded:
     # t_start, t_end (0: the answer's, t_last), status (0: none), the failover outcome of
     # gateway_upstream_attempts_total (None: this replica answered))
     attempts: list[tuple[str, str, int, int, int, str | None]] = field(default_factory=list)
-    pd_prefill: tuple[int, int] = (0, 0)  # a P/D request's prefill leg that served (gateway/upstream/pd.py)
+    pd_prefill: tuple[int, int] = (0, 0)  # a P/D request's prefill leg that served (gateway/forwarding/pd.py)
 
 
 

@@ -1,5 +1,5 @@
 """What can go wrong upstream: the errors of the request path's HTTP client
-(`gateway/upstream/client.py`; timeouts are TimeoutError), and a replica's error answers in the
+(`gateway/transport/client.py`; timeouts are TimeoutError), and a replica's error answers in the
 gateway's vocabulary, with addresses hidden from their messages."""
 
 from __future__ import annotations

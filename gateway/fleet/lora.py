@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gateway.upstream.control import CONTROL_ERRORS, ControlClient, fetch, get_json, model_cards
+from gateway.transport.control import CONTROL_ERRORS, ControlClient, fetch, get_json, model_cards
 from policies.scorers.lora import adapter_state
 from policies.types import LoraView
 

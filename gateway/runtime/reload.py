@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import ConfigError, load_config, mask_url_passwords
-from gateway.runtime import Gateway
+from gateway.runtime.gateway import Gateway
 
 log = logging.getLogger("gateway.reload")
 

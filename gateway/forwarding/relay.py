@@ -7,7 +7,7 @@ instead of a cut connection). Under the gateway's server protocol a streamed chu
 take at once goes from the upstream connection's callback straight to the client's socket
 (`UpstreamResponse.pipe`, the `ResponseWriter`'s lane): no task wakes, no ASGI message per chunk;
 under backpressure the writer falls back to awaiting `send`. Non-streamed answers held at once are
-capped (`AnswerBudget`). The client is gateway/upstream/client.py (a lean keep-alive HTTP/1.1 client:
+capped (`AnswerBudget`). The client is gateway/transport/client.py (a lean keep-alive HTTP/1.1 client:
 aiohttp's cost dominated the gateway's CPU per request); error bodies: `errors.py`.
 """
 
@@ -23,10 +23,8 @@ import orjson
 from gateway.api.streams import StreamTap
 from gateway.config import TimeoutsConfig
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, sse_error_event
-from gateway.http.writer import ResponseWriter
 from gateway.limits.budgets import AnswerBudget, LiveStreams, shutting_down
-from gateway.types import Headers
-from gateway.upstream.client import (
+from gateway.transport.client import (
     HttpClient,
     UpstreamBrokenError,
     UpstreamConnectError,
@@ -34,8 +32,10 @@ from gateway.upstream.client import (
     UpstreamResponse,
     UpstreamTooLargeError,
 )
-from gateway.upstream.errors import hide_addresses as hide_addresses
-from gateway.upstream.errors import normalize_error_body as normalize_error_body
+from gateway.transport.errors import hide_addresses as hide_addresses
+from gateway.transport.errors import normalize_error_body as normalize_error_body
+from gateway.transport.writer import ResponseWriter
+from gateway.types import Headers
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a non-streamed answer larger than this is a broken replica

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from gateway.upstream.errors import (
+from gateway.transport.errors import (
     UpstreamBrokenError,
     UpstreamClientError,
     UpstreamConnectError,
@@ -23,7 +23,7 @@ from gateway.upstream.errors import (
     UpstreamProtocolError,
     UpstreamTooLargeError,
 )
-from gateway.upstream.response import HIGH_WATER_BYTES, MAX_HEAD_BYTES, Header, UpstreamResponse
+from gateway.transport.response import HIGH_WATER_BYTES, MAX_HEAD_BYTES, Header, UpstreamResponse
 
 __all__ = [
     "HIGH_WATER_BYTES",

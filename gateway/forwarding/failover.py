@@ -21,10 +21,8 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.http.writer import ResponseWriter
-from gateway.routing.router import Dispatch
-from gateway.upstream.outbound import Forwarded, Outbound
-from gateway.upstream.proxy import (
+from gateway.forwarding.outbound import Forwarded, Links, Outbound
+from gateway.forwarding.relay import (
     Opened,
     Retryable,
     normalize_error_body,
@@ -32,17 +30,18 @@ from gateway.upstream.proxy import (
     relay_stream,
     send_whole,
 )
+from gateway.routing.router import Dispatch
+from gateway.transport.writer import ResponseWriter
 
 if TYPE_CHECKING:
-    from gateway.routing.lora_placement import LoraPlacement
-    from gateway.runtime import Gateway
+    from gateway.forwarding.lora_placement import LoraPlacement
 
 class Failover:
     """The plain pool's forwarder: the ranked candidates in turn (a managed LoRA adapter loaded
     on each first, `LoraPlacement.place`) until one answers."""
 
-    def __init__(self, gateway: Gateway, lora: LoraPlacement) -> None:
-        self.gw = gateway
+    def __init__(self, links: Links, lora: LoraPlacement) -> None:
+        self.gw = links
         self.lora = lora
 
     async def forward(
