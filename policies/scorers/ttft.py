@@ -232,7 +232,8 @@ class TTFTScorer(Scorer):
                 self._saw(view.name, measured)
             uncached, load = self._tiered(view.tier_hits, uncached, req.tokens_per_block, measured)
         t = a + b * uncached + c * view.inflight_prompt_tokens + load
-        t += self._load.d * view.load + self.kv_s * _pressure(view.kv_usage)
+        if self._load.d or self.kv_s:
+            t += self._load.d * view.load + self.kv_s * _pressure(view.kv_usage)
         if view.lora is not None:
             t += self.lora.extra_s(req.model, view.lora)
         return max(_FLOOR_S, t)
@@ -242,18 +243,23 @@ class TTFTScorer(Scorer):
         prompt, tpb = req.prompt_tokens, req.tokens_per_block
         pred: dict[str, float] = {}
         d, kv_s, rho = self._load.d, self.kv_s, self.recompute
-        tiered = self.tiers != "off"
-        holds = {v.name: v.hit_blocks + (sum(v.tier_hits.values()) if v.tier_hits and tiered
-                                         else 0) for v in views}  # fmt: skip
-        held = max(holds.values(), default=0)
-        # a replica whose KV use is not known now (no fresh scrape) counts as the fullest known
-        known = [v.kv_usage for v in views if v.kv_usage is not None]
-        worst = max(known) if known else None
+        holds: dict[str, int] = {}
+        held = 0
+        if rho:  # the opt-in terms cost nothing on the hot path when off (the default)
+            tiered = self.tiers != "off"
+            holds = {v.name: v.hit_blocks + (sum(v.tier_hits.values()) if v.tier_hits and tiered
+                                             else 0) for v in views}  # fmt: skip
+            held = max(holds.values(), default=0)
+        worst = None
+        if kv_s:  # a replica whose KV use is unknown now (no fresh scrape) counts as the fullest
+            known = [v.kv_usage for v in views if v.kv_usage is not None]
+            worst = max(known) if known else None
         for v in views:
             a, b, c = coef.get(v.name, prior)
             uncached = prompt - v.hit_blocks * tpb
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
-            t += d * v.load
+            if d:
+                t += d * v.load
             if worst is not None:
                 t += kv_s * _pressure(worst if v.kv_usage is None else v.kv_usage)
             if rho and held > (mine := holds[v.name]):  # the fleet recomputes what another holds
@@ -338,9 +344,10 @@ class TTFTScorer(Scorer):
         if outcome.adapter_load:  # learn the load from the residual, fit the rest without it
             self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK))
             y = max(0.0, y - self.lora.load_s)
-        r = max(0, outcome.load_at_dispatch)
-        self._load.learn(r, y - (a + b * u * _KTOK + c * q * _KTOK))
-        y = max(0.0, y - self._load.d * r)
+        if self._load.d0:  # load_s > 0: learn what a request ahead costs, fit the rest without it
+            r = max(0, outcome.load_at_dispatch)
+            self._load.learn(r, y - (a + b * u * _KTOK + c * q * _KTOK))
+            y = max(0.0, y - self._load.d * r)
         fit.add(u, q, y, self._decay)
         self._coef[outcome.replica] = self._solve(fit, self._peer.get(outcome.replica))
         self._pool()
