@@ -87,6 +87,8 @@ class ReplicaState:
     draining: bool = False
     inflight: int = 0
     inflight_prompt_tokens: int = 0
+    # the prompt tokens of its requests in flight: the KV they hold until they end (issue 42)
+    inflight_kv_tokens: int = 0
     placed_blocks: int = 0  # blocks new to this replica routed to it, ever (cold placement)
     unrecords: int = 0  # failed dispatches whose unconfirmed blocks left the index
     # the other gateways' figures for this replica as of the last fleet tick (gateway/fleet/shared_load.py;
@@ -206,6 +208,8 @@ class ReplicaState:
             placed_blocks=self.placed_blocks + self.peer_placed_blocks,
             lora=lora.view() if (lora := self.lora).enabled else None,
             tier_load_rates=self.tier_load.rates,  # kept fresh by each scrape, not stale-gated
+            kv_tokens=None if (kv := self.engine_kv) is None else kv[1],
+            inflight_kv_tokens=self.inflight_kv_tokens,
         )
 
     def queued_prompt_tokens(self) -> int:
@@ -253,11 +257,17 @@ class ReplicaState:
 
     # --- what the proxy reports ------------------------------------------------------------
     def dispatched(
-        self, uncached_prompt_tokens: int, new_blocks: int = 0, cold: int | None = None
+        self,
+        uncached_prompt_tokens: int,
+        new_blocks: int = 0,
+        cold: int | None = None,
+        kv_tokens: int = 0,
     ) -> None:
-        """A request sent here; `cold`: the key of a new prefix it places (none held here)."""
+        """A request sent here; `cold`: the key of a new prefix it places (none held here);
+        `kv_tokens`: its prompt, the KV it holds here until it ends."""
         self.inflight += 1
         self.inflight_prompt_tokens += uncached_prompt_tokens
+        self.inflight_kv_tokens += kv_tokens
         self.placed_blocks += new_blocks
         if cold is not None:
             entry = self.cold.setdefault(cold, [0, 0])
@@ -276,8 +286,9 @@ class ReplicaState:
         if self.on_load is not None:
             self.on_load()
 
-    def finished(self) -> None:
+    def finished(self, kv_tokens: int = 0) -> None:
         self.inflight = max(0, self.inflight - 1)
+        self.inflight_kv_tokens = max(0, self.inflight_kv_tokens - kv_tokens)
         if self.inflight == 0 and self._idle is not None:
             self._idle.set()
         if self.on_load is not None:

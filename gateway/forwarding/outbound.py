@@ -121,10 +121,11 @@ def upstream_headers(
     if key is not None:
         out.append((b"authorization", b"Bearer " + key.get_secret_value().encode()))
     if trace is not None:
-        out.append((b"traceparent", trace.traceparent().encode()))
-        state = trace.tracestate()
-        if state:
-            out.append((b"tracestate", state.encode()))
+        out.append((b"traceparent", trace.traceparent_bytes()))
+        if trace.trace_state:  # only an incoming trace's, forwarded
+            state = trace.tracestate()
+            if state:
+                out.append((b"tracestate", state.encode()))
     return out
 
 

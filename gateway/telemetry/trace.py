@@ -352,6 +352,10 @@ class RequestTrace:
         """The W3C header for the upstream request; its parent is the root span."""
         return f"00-{self.tid:032x}-{self.sid:016x}-{'01' if self.sampled else '00'}"
 
+    def traceparent_bytes(self) -> bytes:
+        """`traceparent()` as the header's bytes, formatted once (the request path's form)."""
+        return b"00-%032x-%016x-%s" % (self.tid, self.sid, b"01" if self.sampled else b"00")
+
     def tracestate(self) -> str | None:
         """The incoming tracestate to forward upstream, or None."""
         ts = self.trace_state

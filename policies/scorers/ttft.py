@@ -2,18 +2,18 @@
 
     uncached = max(0, prompt_tokens - hit_blocks * tokens_per_block)
     queued   = inflight_prompt_tokens        (uncached tokens the gateway sent, not yet prefilled)
-    ttft     = a + b * uncached + c * queued + d * load + kv_s * k / (1 - k)      (seconds)
-    cost     = ttft + recompute * b * (prefix tokens another candidate holds, this one does not)
-                    * (1 + load)             (recompute_load: it delays the requests ahead there)
+    ttft     = a + b * uncached + c * queued (+ hold_s * kv_waits, below)           (seconds)
+               (opt-in: + d * load + kv_s * k / (1 - k))
+    cost     = ttft (opt-in: + recompute * b * (prefix tokens another candidate holds, this one
+               does not) * (1 + load), the last factor with recompute_load)
     score    = min_cost / cost               (1.0 for the cheapest candidate)
 
-The last two terms of `ttft` and the recompute price are opt-in (`load_s`, `kv_s`, `recompute`
-all 0 by default): on real vLLM (bench/engine_routing.py, docs/benchmarks.md) and in the
-simulator's routing bench they did not beat the score without them, which already breaks its
-near ties by the engine's load. `load` is the requests ahead on the engine
-(`ReplicaView.load`: the fresh scrape's running + waiting, or the gateway's own in-flight count
-when higher or when the scrape is stale): a request that only decodes still slows every step a
-new prefill runs in. `d` is learned for the
+The opt-in terms (`load_s`, `kv_s`, `recompute`, all 0 by default; issue 43 item 2) did not beat
+the score without them on real vLLM (bench/engine_routing.py, docs/benchmarks.md) nor in the
+simulator's routing bench; the default already breaks its near ties by the engine's load.
+`load` is the requests ahead on the engine (`ReplicaView.load`: the fresh scrape's running +
+waiting, or the gateway's own in-flight count when higher or when the scrape is stale): a
+request that only decodes still slows every step a new prefill runs in. `d` is learned for the
 pool from the fit's residuals, pulled toward `load_s` (0: off). `k` is the engine's KV use from
 a fresh scrape; a replica without one is priced as the fullest known (unknown is not idle).
 `recompute` prices the prefill the fleet redoes when a request leaves the replica holding most
@@ -41,6 +41,17 @@ against the fit), and those TTFTs enter the fit without it. Replicas without LoR
 Across a fleet of gateways (shared load, gateway/fleet/shared_load.py) each gateway shares its own
 decayed sums (`share`) and folds in the others' (`absorb`): the sums add, so every gateway fits
 the same coefficients from all of the fleet's observations (as of the last tick or push).
+
+Each request in flight on a replica also holds KV until it ends (its prompt, in
+`ReplicaView.inflight_kv_tokens`). Where the engine's KV (`kv_tokens`, its cache_config_info)
+cannot hold a new prompt beside them, the engine admits it only once enough of them have ended,
+decode included, whatever its prefix hit: TTFT += hold_s x `ReplicaView.kv_waits(prompt)`, the
+requests in flight that must end first. `hold_s` is learned per scorer from the residual of
+the TTFTs of requests that had to wait so (one-dimensional ridge toward 0, decayed like the
+fit), and the fit learns from those TTFTs without it. A replica whose KV holds the request
+beside the rest, or that does not report its KV size, is priced as before. Without it, repeats
+of a long document piled onto the replica that held it while its KV was full of them, and the
+TTFT p99 lost to round robin (bench/tiers.py, issue 42).
 
 Blocks a replica holds on a lower KV tier (`ReplicaView.tier_hits`: host memory, disk, the
 pool's shared store; docs/tiers.md) are priced in seconds by default (`tiers: seconds`): they
@@ -139,6 +150,25 @@ def _pressure(k: float | None) -> float:
 _WIDTH = 10  # numbers a shared fit carries: xx (6), xy (3), n; then a replica's tier sums
 
 
+class _Hold:
+    """Seconds each request in flight on a replica adds to a new one's TTFT (it holds KV the
+    new one may need): decayed sums of n x residual and n^2, ridge toward 0 with `prior`."""
+
+    __slots__ = ("nr", "nn", "prior", "decay", "s")
+
+    def __init__(self, prior: float, decay: float) -> None:
+        self.nr = self.nn = self.s = 0.0
+        self.prior, self.decay = prior, decay
+
+    def learn(self, n: int, residual_s: float) -> None:
+        if n <= 0 or not math.isfinite(residual_s):
+            return
+        d = self.decay
+        self.nr = d * self.nr + n * min(max(residual_s, -3600.0), 3600.0)
+        self.nn = d * self.nn + n * n
+        self.s = max(0.0, self.nr / (self.nn + self.prior))
+
+
 class TTFTScorer(Scorer):
     name = "ttft"
     needs_prefix = True  # the uncached part of the prompt is what a replica must prefill
@@ -199,6 +229,7 @@ class TTFTScorer(Scorer):
         self._peer: dict[str, list[float]] = {}  # the other gateways' sums, per replica
         self._pooled = self.prior  # what a replica without observations is predicted with
         self.lora = LoraCost(lora_load_s)  # what a request's LoRA adapter adds, in seconds
+        self.hold = _Hold(float(prior_weight), float(decay))  # per request in flight, seconds
         # per replica, the measured tier rates its last prediction used: observe() takes the
         # load term out of the TTFT at the same rates
         self._measured: dict[str, Mapping[str, tuple[float, float]]] = {}
@@ -232,6 +263,8 @@ class TTFTScorer(Scorer):
                 self._saw(view.name, measured)
             uncached, load = self._tiered(view.tier_hits, uncached, req.tokens_per_block, measured)
         t = a + b * uncached + c * view.inflight_prompt_tokens + load
+        if self.hold.s:
+            t += self.hold.s * view.kv_waits(req.prompt_tokens)
         if self._load.d or self.kv_s:
             t += self._load.d * view.load + self.kv_s * _pressure(view.kv_usage)
         if view.lora is not None:
@@ -240,7 +273,7 @@ class TTFTScorer(Scorer):
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:
         coef, prior, seen = self._coef, self._pooled, self._measured
-        prompt, tpb = req.prompt_tokens, req.tokens_per_block
+        prompt, tpb, hold = req.prompt_tokens, req.tokens_per_block, self.hold.s
         pred: dict[str, float] = {}
         d, kv_s, rho = self._load.d, self.kv_s, self.recompute
         holds: dict[str, int] = {}
@@ -258,6 +291,8 @@ class TTFTScorer(Scorer):
             a, b, c = coef.get(v.name, prior)
             uncached = prompt - v.hit_blocks * tpb
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
+            if hold and v.kv_tokens is not None:
+                t += hold * v.kv_waits(prompt)
             if d:
                 t += d * v.load
             if worst is not None:
@@ -316,8 +351,8 @@ class TTFTScorer(Scorer):
 
     def observe(self, outcome: Outcome) -> None:
         y = outcome.ttft_s
-        if not outcome.ok or y is None or not 0 <= y < float("inf"):
-            return
+        if not outcome.ok or y is None or not 0 <= y < float("inf") or outcome.rides:
+            return  # a request that rode a prefix still prefilling waited for a part of it only
         fit = self._fits.get(outcome.replica)
         if fit is None:
             if len(self._fits) >= _MAX_REPLICAS:
@@ -341,9 +376,13 @@ class TTFTScorer(Scorer):
             for t, n in tiers.items():
                 y -= n * self._s_per_token(t, measured, 0.0)
             y = max(0.0, y)
+        n = outcome.kv_waits
         if outcome.adapter_load:  # learn the load from the residual, fit the rest without it
-            self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK))
+            self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK + self.hold.s * n))
             y = max(0.0, y - self.lora.load_s)
+        if n > 0:  # the wait for requests ahead to free KV: learned apart, fit without it
+            self.hold.learn(n, y - (a + b * u * _KTOK + c * q * _KTOK))
+            y = max(0.0, y - self.hold.s * n)
         if self._load.d0:  # load_s > 0: learn what a request ahead costs, fit the rest without it
             r = max(0, outcome.load_at_dispatch)
             self._load.learn(r, y - (a + b * u * _KTOK + c * q * _KTOK))
