@@ -84,7 +84,10 @@ class ReplicaState:
     # replica heard from within `dead_after_s` that only times out is busy, not dead
     heard_at: float = field(default_factory=time.monotonic)
     busy: int = 0  # timeouts not counted against its circuit: it was heard from (`failed`)
-    draining: bool = False
+    draining: bool = False  # removed by a change, or cordoned: in no new snapshot's choice
+    cordoned: bool = False  # drained through the admin API: no request is routed to it
+    # its live streams that can resume elsewhere: each callable hands one over (`hand_over`)
+    streams: set[Callable[[], None]] = field(default_factory=set)
     inflight: int = 0
     inflight_prompt_tokens: int = 0
     # the prompt tokens of its requests in flight: the KV they hold until they end (issue 42)
@@ -160,6 +163,14 @@ class ReplicaState:
         self.dead_after_s = pool.health.dead_after_s
         self.lora_max = pool.lora.max_loras
 
+    def hand_over(self) -> int:
+        """The replica is draining: each live stream on it that can resume elsewhere is told to
+        (gateway/forwarding/resume.py); how many were."""
+        streams = list(self.streams)
+        for leave in streams:
+            leave()
+        return len(streams)
+
     async def drained(self, timeout_s: float) -> bool:
         """Wait until no request is in flight (the replica is draining); False on timeout."""
         if self.inflight == 0:
@@ -195,6 +206,7 @@ class ReplicaState:
             url=self.url,
             pool=self.pool,
             healthy=self.circuit.current(now) != OPEN,
+            draining=self.cordoned,
             circuit=self.circuit.state,
             models=self.models,
             inflight=self.inflight + self.peer_inflight,
