@@ -84,6 +84,7 @@ class ReplicaState:
     # replica heard from within `dead_after_s` that only times out is busy, not dead
     heard_at: float = field(default_factory=time.monotonic)
     busy: int = 0  # timeouts not counted against its circuit: it was heard from (`failed`)
+    kv_lost: bool = False  # `lost` was told since it last answered (the index forgot it once)
     draining: bool = False  # removed by a change, or cordoned: in no new snapshot's choice
     cordoned: bool = False  # drained through the admin API: no request is routed to it
     # its live streams that can resume elsewhere: each callable hands one over (`hand_over`)
@@ -312,6 +313,7 @@ class ReplicaState:
         )
 
     def succeeded(self) -> None:
+        self.kv_lost = False
         if self.circuit.success():
             log.info("replica %s: circuit closed", self.name)
             self._changed()
@@ -342,6 +344,7 @@ class ReplicaState:
     def lost(self, why: str) -> None:
         """Its KV cache is gone or out of reach: what the index holds for it is no prediction."""
         log.warning("replica %s: %s; the index forgets its blocks", self.name, why)
+        self.kv_lost = True
         if self.on_lost is not None:
             self.on_lost(self, why)
 
@@ -425,6 +428,10 @@ class ReplicaMonitor:
             r.succeeded()
         elif r.failed(why, busy):
             r.lost("its health probes failed until its circuit opened")
+        elif not busy and r.circuit.state != CLOSED and not r.kv_lost:
+            # its requests opened the circuit (a stream broken mid-answer, connects refused):
+            # a probe that fails outright, not slowly, says the engine is gone too
+            r.lost("its health probe failed with its circuit open")
         return ok
 
     async def scrape_once(self) -> LoadSample | None:

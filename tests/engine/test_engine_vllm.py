@@ -449,7 +449,9 @@ async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) 
     before their first byte; the index forgets the dead replica."""
     config = engine.fleet.gateway_config(mode="tokens")
     prompt = [{"role": "system", "content": doc("dying", 300)}, *HELLO]
-    n, kill_at = 512, 16  # long enough that the client reads it in many pieces
+    # long enough that it is still being written when the client has read `kill_at` tokens: the
+    # tiny model on a free core wrote 512 tokens whole before a kill at 16 could land
+    n, kill_at = 2048, 16
     body = chat(prompt, max_tokens=n, stream=True, ignore_eos=True, temperature=0,
                 return_token_ids=True, stream_options={"include_usage": True})  # fmt: skip
     async with gateway(config) as (gw, app), httpx.AsyncClient(timeout=300) as http:

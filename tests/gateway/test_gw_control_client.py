@@ -133,6 +133,24 @@ async def test_a_refused_or_silent_replica_fails_its_probe() -> None:
         assert await monitor(srv.url, c, timeout_s=0.2).probe_once() is False
 
 
+async def test_a_refused_probe_after_requests_opened_the_circuit_forgets_the_cache_once() -> None:
+    """Requests (a stream broken mid-answer) opened the circuit before any probe failed: the first
+    probe refused outright says the engine is gone, and its KV cache is forgotten, once; a probe
+    that only times out says nothing of the sort."""
+    async with client() as c:
+        m = monitor(f"http://127.0.0.1:{free_port()}", c, timeout_s=0.2)
+        lost: list[str] = []
+        m.replica.on_lost = lambda r, why: lost.append(why)
+        assert m.replica.failed("the stream broke mid-answer") is True  # requests opened it
+        assert await m.probe_once() is False
+        assert await m.probe_once() is False
+        assert lost == ["its health probe failed with its circuit open"]
+        m.replica.succeeded()  # back: the next loss is told again
+        assert m.replica.failed("connection refused") is True
+        assert await m.probe_once() is False
+        assert len(lost) == 2
+
+
 async def test_requests_never_wait_for_a_connection() -> None:
     """No cap on connections: 300 probes at once to a silent replica get 300 connections. (A capped
     pool queues requests, and httpcore loses a pool slot for good to a queued request cancelled
