@@ -131,7 +131,8 @@ class Pipeline:
         async with slot as waited:
             rec.t_admitted = time.perf_counter_ns()
             self.recorder.queue_wait(pool.name, rec.priority, waited)
-            decision = snap.router.choose(pool, routing, self.lora)
+            offer = self.lora.offer(pool, routing.routed.model)  # managed LoRA: who may load it
+            decision = snap.router.choose(pool, routing, offer)
             rec.t_routed = time.perf_counter_ns()
             rec.routed(routing, decision)
             self.recorder.decision(pool, routing, decision)
