@@ -122,7 +122,7 @@ class TierRouter(PreciseDesRouter):
                 # the queue as of the scrape's time (the DES snapshot), the counters as of now
                 sample.waiting, sample.running = load.waiting, load.running
                 sample.kv_usage = load.kv_usage
-                r.took_sample(sample, load.scraped_at_s)
+                r.took_scrape(sample, None, load.scraped_at_s)
 
     async def route(self, req: SimRequest, view: Sequence[ReplicaLoad]) -> int:
         self.now = req.arrival_s
@@ -262,27 +262,32 @@ def learned(rows: list[Row]) -> list[str]:
     return out
 
 
-def goals(rows: list[Row]) -> list[str]:
-    """The issue's goal: tier-aware in seconds has the lowest TTFT P99 in (b) and (c), and saves
-    >= 60% of the prefill compute at a combined hit ratio of 0.8 or more. Both seconds routers
-    count (tier_learned is one, starting from a wrong prior): the best of them against the best
-    of the others, with the margin printed."""
+GOAL_SAVED = 0.6  # prefill saved by the tier-aware default, in each fleet with a lower tier
+DEFAULT = "tier_seconds"  # the gateway's default: the ttft scorer, tiers priced in seconds
+
+
+def goals(rows: list[Row]) -> list[tuple[str, bool]]:
+    """The issue's goals, per fleet with a lower tier (b, c): the tier-aware default
+    (`tier_seconds`) has the lowest TTFT p99 of every row of its fleet (a tie counts: another
+    row can route alike), and saves >= 60 % of the prefill compute. Each line with its margin
+    and whether it is met."""
     out = []
     for fleet in FLEETS[1:]:
         mine = [r for r in rows if r.fleet == fleet]
-        seconds = [r for r in mine if TIER_MODE.get(r.router) == "seconds"]
-        others = [r for r in mine if TIER_MODE.get(r.router) != "seconds"]
-        if not seconds or not others:
+        best = next((r for r in mine if r.router == DEFAULT), None)
+        others = [r for r in mine if r.router != DEFAULT]
+        if best is None or not others:
             continue
-        best, rival = min(seconds, key=lambda r: r.p99), min(others, key=lambda r: r.p99)
-        sec = next((r for r in seconds if r.router == "tier_seconds"), best)
-        ok = best.p99 < rival.p99
-        out.append(
-            f"{fleet}: lowest p99 in seconds {best.router} ({best.p99:.2f}s) vs best other "
-            f"{rival.router} ({rival.p99:.2f}s, {rival.p99 / best.p99 - 1:+.1%}) "
-            f"{'MET' if ok else 'NOT MET'}; {sec.router} saves {sec.saved:.0%} at hit "
-            f"{sec.hit:.2f} {'MET' if sec.saved >= 0.6 and sec.hit >= 0.8 else 'NOT MET'}"
-        )
+        rival = min(others, key=lambda r: r.p99)
+        ok_tail = best.p99 <= rival.p99
+        ok_saved = best.saved >= GOAL_SAVED
+        out.append((
+            f"{fleet}: {DEFAULT} p99 {best.p99:.2f}s, lowest of the others {rival.router} "
+            f"{rival.p99:.2f}s ({rival.p99 / best.p99 - 1:+.1%}) {'MET' if ok_tail else 'NOT MET'}; "
+            f"saves {best.saved:.0%} of the prefill (goal >= {GOAL_SAVED:.0%}) "
+            f"{'MET' if ok_saved else 'NOT MET'}",
+            ok_tail and ok_saved,
+        ))  # fmt: skip
     return out
 
 
@@ -293,6 +298,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--routers", nargs="*", default=list(ROUTERS), choices=ROUTERS)
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check", action="store_true", help="exit 1 when a goal is not met")
     args = ap.parse_args(argv)
     w = Workload(seed=args.seed)
     if args.quick:
@@ -313,10 +319,13 @@ async def main(argv: Sequence[str] | None = None) -> int:
         for name in args.routers:
             rows.append(await one(fleet, name, w))
     print(table(rows))
-    for line in [*learned(rows), *goals(rows)]:
+    for line in learned(rows):
+        print(line)
+    met = goals(rows)
+    for line, _ in met:
         print(line)
     print(f"({time.perf_counter() - t0:.0f} s)")
-    return 0
+    return 1 if args.check and not all(ok for _, ok in met) else 0
 
 
 if __name__ == "__main__":

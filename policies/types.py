@@ -103,6 +103,22 @@ class ReplicaView:
     # n x (kv_bytes_per_token x first + second) seconds. vLLM's transfer counters give seconds
     # per byte, LMCache's store seconds per token. None: the engine reports no such load
     tier_load_rates: Mapping[str, tuple[float, float]] | None = None
+    # the engine's KV in tokens (its cache_config_info; None: not reported), and the prompt
+    # tokens of the requests the gateway has in flight there: the KV they hold until they end
+    kv_tokens: int | None = None
+    inflight_kv_tokens: int = 0
+
+    def kv_waits(self, prompt_tokens: int) -> int:
+        """How many of the requests in flight here must end before a prompt of `prompt_tokens`
+        fits beside the rest in the engine's KV (each taken to hold their mean share): 0 when
+        it fits, or the KV size is not known. An engine admits a request only when its KV has
+        room for it, so where long prompts fill the KV a new one waits for those ahead to
+        finish, decode included, whatever its prefix hit."""
+        kv, held, n = self.kv_tokens, self.inflight_kv_tokens, self.inflight
+        if kv is None or n <= 0 or held + prompt_tokens <= kv:
+            return 0
+        over = held + prompt_tokens - kv
+        return min(n, -(-over * n // held)) if held > 0 else 0
 
     @property
     def load(self) -> int:
@@ -130,6 +146,10 @@ class Outcome:
     # P/D: the prefill leg's); None: it did not say
     cached_tokens: int | None = None
     tokens_per_block: float = 0.0  # the request's block in tokens (0: unknown)
+    kv_waits: int = 0  # requests in flight that had to end before it fit (ReplicaView.kv_waits)
+    # its prefix hit was a prefix placed there and not yet prefilled (it waited for the rest of
+    # that prefill, not for the whole queue counted at dispatch)
+    rides: bool = False
 
     def credited_cached_tokens(self) -> int | None:
         """`cached_tokens`, plus the part of the prediction an engine never reports as cached:

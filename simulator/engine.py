@@ -73,6 +73,7 @@ class Engine:
         self.seed = seed
         self.step_no = 0  # steps applied so far: the key of each step's seeded jitter
         self.filler = tuple(filler_ids)
+        self._filler_at: dict[int, int] | None = None  # filler id -> its place (greedy_base)
         self.requests: dict[str, Sequence] = {}
         self.in_flight: Step | None = None
         self.now_s = 0.0
@@ -122,7 +123,8 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Seq[int], *, arrival_s: float,
                     max_tokens: int | None = None, priority: int = 0,
-                    cache_salt: str | None = None, hashes: Seq[int] | None = None) -> Sequence:
+                    cache_salt: str | None = None, hashes: Seq[int] | None = None,
+                    greedy: bool = False) -> Sequence:
         """Queue a request. Without `max_tokens` its length comes from the configured
         output-length distribution; either way it is capped by max_model_len."""
         if request_id in self.requests:
@@ -137,13 +139,26 @@ class Engine:
         self._order += 1
         seq = Sequence(request_id, self._order, prompt, target_out=max(1, min(target, room)),
                        stop_at_length=by_length, arrival_s=arrival_s, priority=priority,
-                       salt=salt_seed(cache_salt), out_base=self.rng.randrange(len(self.filler)))
+                       salt=salt_seed(cache_salt),
+                       out_base=self.greedy_base(prompt) if greedy else
+                       self.rng.randrange(len(self.filler)))
         if hashes is not None and self.config.enable_prefix_caching:
             seq.hashes = list(hashes)
         self.requests[request_id] = seq
         self.scheduler.waiting.push(seq)
         self.counters.requests_received += 1
         return seq
+
+    def greedy_base(self, prompt: Seq[int]) -> int:
+        """Where a greedy answer starts in the filler: after the prompt's last token when that is
+        a filler word, so an answer is a function of its context alone and a prompt that ends
+        with an answer's first k tokens goes on with its token k (any replica, any seed)."""
+        nf = len(self.filler)
+        if self._filler_at is None:
+            self._filler_at = {t: i for i, t in enumerate(self.filler)}
+        last = prompt[-1]
+        at = self._filler_at.get(last)
+        return (at + 1) % nf if at is not None else last % nf
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (client went away); its blocks are freed at once."""

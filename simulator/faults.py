@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 Mode = Literal["none", "error_503", "error_500", "stall", "die_midstream", "garbage_sse",
-               "slow_first_byte"]
+               "slow_first_byte", "error_midstream"]
 MODES: tuple[str, ...] = Mode.__args__  # type: ignore[attr-defined]
 
 
@@ -21,6 +21,7 @@ class Fault:
     - `stall`: send `after_chunks` chunks, then nothing, until the client goes away.
     - `die_midstream`: send `after_chunks` chunks, then abort the TCP connection (RST).
     - `garbage_sse`: send `after_chunks` chunks, then an event that is not JSON, then end.
+    - `error_midstream`: send `after_chunks` chunks, then vLLM's error event and `[DONE]`.
     - `slow_first_byte`: wait `delay_s` wall seconds before the response starts.
     `count`: how many of the next requests it applies to (None: until switched off).
     """

@@ -9,11 +9,19 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from simulator.tokenizer import Tokenizer
 
 MAX_TOKEN_ID = 2**31 - 1
+
+
+@runtime_checkable
+class _Renders(Protocol):
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True,
+                    tools: Any = None) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
 
 
 class ApiError(Exception):
@@ -64,6 +72,9 @@ class EngineRequest:
     include_usage: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    return_token_ids: bool = False  # vLLM's: the prompt's ids in the first chunk, each chunk's new ids
+    greedy: bool = False  # temperature 0: the output is a function of the context alone
+    continue_final: bool = False  # continue_final_message: the last (assistant) message goes on
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -192,9 +203,18 @@ def parse_request(body: Any, tok: Tokenizer, *, chat: bool,
             raise bad("Cannot apply chat template to an empty conversation. Provide at least "
                       "one message.")
         add_gen = body.get("add_generation_prompt", True) is not False
+        continue_final = _lax_bool(body, "continue_final_message")
+        if continue_final and add_gen:
+            raise bad("Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                      "True.")
         tools = body.get("tools")
         try:
-            prompts = [tok.encode_chat(messages, add_gen, tools if isinstance(tools, list) else None)]
+            if continue_final and isinstance(tok, _Renders):  # the last message left open
+                text = tok.render_chat(messages, False, tools if isinstance(tools, list) else None)
+                prompts = [tok.encode(text.removesuffix("\n").removesuffix("<|im_end|>"))]
+            else:
+                prompts = [tok.encode_chat(messages, add_gen,
+                                           tools if isinstance(tools, list) else None)]
         except ValueError as exc:
             raise bad(str(exc), "messages") from None
         max_tokens = _max_tokens(body, "max_completion_tokens", max_model_len)
@@ -224,9 +244,13 @@ def parse_request(body: Any, tok: Tokenizer, *, chat: bool,
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad("Parameter 'cache_salt' must be a non-empty string if provided. "
                   "(parameter=cache_salt)", "cache_salt")
+    temperature = body.get("temperature")
     return EngineRequest(chat=chat, model=model, prompts=prompts, max_tokens=max_tokens,
                          stream=stream, include_usage=bool((opts or {}).get("include_usage")),
-                         priority=priority, cache_salt=salt)
+                         priority=priority, cache_salt=salt,
+                         return_token_ids=_lax_bool(body, "return_token_ids"),
+                         greedy=temperature is not None and float(temperature) == 0.0,
+                         continue_final=chat and continue_final)
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -235,8 +259,13 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 def stream_chunk(req: EngineRequest, model: str, index: int, text: str | None,
-                 finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
-    """One SSE chunk for one choice; a chat chunk's first delta carries the role."""
+                 finish_reason: str | None, *, role: bool = False,
+                 token_ids: list[int] | None = None,
+                 prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """One SSE chunk for one choice; a chat chunk's first delta carries the role. With
+    `return_token_ids`, as vLLM 0.32: `token_ids` (the chunk's new ids) in the choice, and the
+    prompt's ids (`prompt_ids`, given on the first chunk) at the top of a chat chunk, in the
+    choice of a completions chunk."""
     if req.chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
         choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
@@ -248,8 +277,19 @@ def stream_chunk(req: EngineRequest, model: str, index: int, text: str | None,
         obj = "text_completion"
     if finish_reason is not None:
         choice["stop_reason"] = None
-    return {"id": req.response_id, "object": obj, "created": req.created, "model": model,
-            "choices": [choice]}
+    out: dict[str, Any] = {"id": req.response_id, "object": obj, "created": req.created,
+                           "model": model, "choices": [choice]}
+    if req.return_token_ids:
+        if req.chat:
+            if role:
+                out["prompt_token_ids"] = prompt_ids
+            else:
+                choice["token_ids"] = token_ids
+        else:
+            if prompt_ids is not None:
+                choice["prompt_token_ids"] = prompt_ids
+            choice["token_ids"] = token_ids
+    return out
 
 
 def usage_chunk(req: EngineRequest, model: str, use: dict[str, Any]) -> dict[str, Any]:

@@ -50,7 +50,8 @@ class EngineRunner:
 
     def submit(self, request_id: str, prompt: Seq[int], *, max_tokens: int | None,
                priority: int = 0, cache_salt: str | None = None,
-               sink: Callable[[Sequence], None] | None = None, tag: int = 0) -> Sequence:
+               sink: Callable[[Sequence], None] | None = None, tag: int = 0,
+               greedy: bool = False) -> Sequence:
         engine = self.engine
         step = engine.in_flight
         if step is not None:
@@ -59,7 +60,7 @@ class EngineRunner:
             arrival = max(engine.now_s, self.sim_now())
             self._wake_at = arrival  # the step that wakes the engine starts at the last one
         seq = engine.add_request(request_id, prompt, arrival_s=arrival, max_tokens=max_tokens,
-                                 priority=priority, cache_salt=cache_salt)
+                                 priority=priority, cache_salt=cache_salt, greedy=greedy)
         seq.sink = sink
         seq.tag = tag
         self._wake.set()

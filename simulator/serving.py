@@ -97,6 +97,7 @@ class CompletionService:
         cfg = runner.engine.config
         self.max_model_len = cfg.max_model_len
         self._ids = itertools.count()
+        self.api = "vllm"  # or "sglang": its chat refuses return_token_ids streamed
 
     async def handle(self, request: Request, *, chat: bool) -> Response:
         body = await json_body(request)
@@ -130,8 +131,12 @@ class CompletionService:
         if adapter is not None and lora is not None:  # the engine serves it with that adapter
             for rid in ids:
                 lora.assign(rid, adapter)
+        if self.api == "sglang" and req.chat and req.stream and req.return_token_ids:
+            raise bad("return_token_ids is not supported with streaming on /v1/chat/completions. "
+                      "Please set stream=false when using return_token_ids=true.")
         seqs = [self.runner.submit(rid, prompt, max_tokens=req.max_tokens, priority=req.priority,
-                                   cache_salt=lora_salt(adapter, req.cache_salt), sink=sink, tag=i)
+                                   cache_salt=lora_salt(adapter, req.cache_salt), sink=sink, tag=i,
+                                   greedy=req.greedy)
                 for i, (rid, prompt) in enumerate(zip(ids, req.prompts, strict=True))]
         if leg is not None and self.pd is not None:
             self.pd.submitted(leg, seqs[0])
@@ -210,11 +215,17 @@ class CompletionService:
         try:
             while open_choices:
                 tag, token, reason = await events.get()
-                if req.chat and tag not in started:
+                prompt_ids = None
+                if tag not in started:
                     started.add(tag)
-                    yield sse(stream_chunk(req, model, tag, None, None, role=True))
+                    prompt_ids = req.prompts[tag]
+                    if req.chat:
+                        yield sse(stream_chunk(req, model, tag, None, None, role=True,
+                                               prompt_ids=prompt_ids))
+                        prompt_ids = None
                 text = self.tok.decode_filler(token)
-                yield sse(stream_chunk(req, model, tag, text, reason))
+                yield sse(stream_chunk(req, model, tag, text, reason, token_ids=[token],
+                                       prompt_ids=prompt_ids))
                 if reason is not None:
                     open_choices -= 1
             await self._leg_done(leg)  # streamed: no kv_transfer_params (as vLLM)
@@ -238,6 +249,10 @@ class CompletionService:
                         await forever()
                     elif fault.mode == "garbage_sse":
                         yield GARBAGE
+                        return
+                    elif fault.mode == "error_midstream":  # as vLLM ends a failed stream
+                        yield sse(ApiError(500, "simulated engine error").body())
+                        yield b"data: [DONE]\n\n"
                         return
                 yield frame
                 sent += 1
@@ -266,6 +281,13 @@ class CompletionService:
         texts = ["".join(self.tok.decode_filler(t) for t in s.output) for s in seqs]
         reasons = [s.finish_reason or "abort" for s in seqs]
         body = full_response(req, req.model or self.model_name, texts, reasons, self._usage(seqs))
+        if req.return_token_ids:  # vLLM's: each choice's ids; the prompt's on top (chat) or in it
+            for choice, seq, prompt in zip(body["choices"], seqs, req.prompts, strict=True):
+                if not req.chat:
+                    choice["prompt_token_ids"] = prompt
+                choice["token_ids"] = list(seq.output)
+            if req.chat:
+                body["prompt_token_ids"] = req.prompts[0]
         params = await self._leg_done(leg)
         if leg is not None and leg.kind == "nixl_prefill":
             body["kv_transfer_params"] = params

@@ -168,3 +168,70 @@ def check(fact: Fact, status: int, answer: Any) -> list[str]:
     if not str(err.get("message", "")).startswith(fact.message):
         problems.append(f"message {err.get('message')!r}, vLLM's starts {fact.message!r}")
     return problems
+
+
+# --- token ids (`return_token_ids`, vLLM 0.32): what a resume continues from (issue 41) -----------
+async def _sse(http: Any, url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    import orjson
+
+    r = await http.post(url + path, json=body)
+    out = []
+    for block in r.content.split(b"\n\n"):
+        if block.startswith(b"data: ") and block != b"data: [DONE]":
+            out.append(orjson.loads(block[6:]))
+    return out
+
+
+async def token_id_problems(http: Any, url: str, prompt: str = "The history of") -> list[str]:
+    """What in `url`'s `return_token_ids` answers differs from vLLM 0.32's: streamed, the
+    prompt's ids in the first chunk (at the top of a chat chunk, in the choice of a completions
+    chunk) and each chunk's new ids in its choice, as many as `usage` counts; whole, the same
+    fields on the answer. And the fact a resume stands on: greedy, a completions prompt of the
+    prompt's ids and the answer's first k ids goes on with the answer's id k."""
+    problems: list[str] = []
+    n = 8
+    common = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+              "return_token_ids": True}  # fmt: skip
+    streamed = {**common, "stream": True, "stream_options": {"include_usage": True}}
+    chat_evs = await _sse(http, url, CHAT, {**streamed, "messages": [{"role": "user", "content": prompt}]})
+    comp_evs = await _sse(http, url, COMPLETIONS, {**streamed, "prompt": prompt})
+    answers: dict[str, list[int]] = {}
+    for name, evs in (("chat", chat_evs), ("completions", comp_evs)):
+        if not evs:
+            problems.append(f"{name}: no events")
+            continue
+        first = evs[0]
+        where = first if name == "chat" else first["choices"][0]
+        pids = where.get("prompt_token_ids")
+        ids: list[int] = []
+        for e in evs:
+            for c in e.get("choices", []):
+                if name == "chat" and "role" in c.get("delta", {}):
+                    continue
+                got = c.get("token_ids")
+                if not isinstance(got, list):
+                    problems.append(f"{name}: a chunk without token_ids: {e}")
+                    break
+                ids.extend(got)
+        usage = evs[-1].get("usage") or {}
+        if not isinstance(pids, list) or len(pids) != usage.get("prompt_tokens"):
+            problems.append(f"{name}: prompt_token_ids {pids!r} vs usage {usage}")
+        if len(ids) != n or usage.get("completion_tokens") != n:
+            problems.append(f"{name}: {len(ids)} token ids, usage {usage}")
+        answers[name] = ids
+        if isinstance(pids, list) and len(ids) == n:
+            k = 3
+            cont = await _sse(http, url, COMPLETIONS, {
+                **streamed, "prompt": [*pids, *ids[:k]], "max_tokens": n - k})  # fmt: skip
+            more = [t for e in cont for c in e.get("choices", []) for t in c.get("token_ids") or []]
+            if more != ids[k:]:
+                problems.append(f"{name}: continued greedy ids {more} != {ids[k:]}")
+    whole = await http.post(url + CHAT, json={**common, "messages": [{"role": "user", "content": prompt}]})
+    w = whole.json()
+    if not isinstance(w.get("prompt_token_ids"), list) or w["choices"][0].get("token_ids") != answers.get("chat"):
+        problems.append(f"chat whole: {str(w)[:300]}")
+    whole = await http.post(url + COMPLETIONS, json={**common, "prompt": prompt})
+    c0 = whole.json()["choices"][0]
+    if not isinstance(c0.get("prompt_token_ids"), list) or c0.get("token_ids") != answers.get("completions"):
+        problems.append(f"completions whole: {str(c0)[:300]}")
+    return problems

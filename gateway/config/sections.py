@@ -186,6 +186,28 @@ class ReplicaConfig(_Strict):
         return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
 
+ResumeTrigger = Literal["reset", "truncated", "malformed", "error_event", "idle_timeout", "drain"]
+RESUME_TRIGGERS: tuple[ResumeTrigger, ...] = (
+    "reset", "truncated", "malformed", "error_event", "idle_timeout", "drain",
+)  # fmt: skip
+
+
+class ResumeConfig(_Strict):
+    """`pools.<p>.resume:` a streamed chat or completions answer whose replica fails after the
+    first byte goes on on another replica (docs/resume.md). `attempts`: resumes a request may
+    use; `on`: the failures that trigger one; `engine`: how its replicas give token ids (vLLM:
+    chat and completions; SGLang: completions only); `from_text`: an answer without ids (a
+    SGLang chat) goes on from its text (`continue_final_message`), counted inexact; `whole`: a
+    non-streamed request is streamed from the engine and answered whole, so that it resumes too."""
+
+    enabled: bool = True
+    attempts: int = Field(2, ge=1, le=10)
+    on: tuple[ResumeTrigger, ...] = RESUME_TRIGGERS
+    engine: Literal["vllm", "sglang"] = "vllm"
+    from_text: bool = False
+    whole: bool = False  # non-streamed answers are streamed from the engine, answered whole
+
+
 class LoraConfig(_Strict):
     """LoRA adapters of a pool's replicas (docs/lora.md). Read from the replicas by default;
     `manage: true` lets the gateway load `adapters` onto replicas that allow runtime updates."""
@@ -223,6 +245,7 @@ class PoolConfig(_Strict):
     # answer (None: the engine's context less the prompt, from its /v1/models max_model_len)
     default_max_tokens: int | None = Field(None, ge=1, le=10_000_000)
     lora: LoraConfig = LoraConfig()
+    resume: ResumeConfig = ResumeConfig()
     protocol: Literal["vllm-nixl", "sglang"] | None = None  # P/D: two sets (PdSetConfig)
     prefill: PdSetConfig | None = None
     decode: PdSetConfig | None = None

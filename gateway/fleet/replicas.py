@@ -84,9 +84,14 @@ class ReplicaState:
     # replica heard from within `dead_after_s` that only times out is busy, not dead
     heard_at: float = field(default_factory=time.monotonic)
     busy: int = 0  # timeouts not counted against its circuit: it was heard from (`failed`)
-    draining: bool = False
+    draining: bool = False  # removed by a change, or cordoned: in no new snapshot's choice
+    cordoned: bool = False  # drained through the admin API: no request is routed to it
+    # its live streams that can resume elsewhere: each callable hands one over (`hand_over`)
+    streams: set[Callable[[], None]] = field(default_factory=set)
     inflight: int = 0
     inflight_prompt_tokens: int = 0
+    # the prompt tokens of its requests in flight: the KV they hold until they end (issue 42)
+    inflight_kv_tokens: int = 0
     placed_blocks: int = 0  # blocks new to this replica routed to it, ever (cold placement)
     unrecords: int = 0  # failed dispatches whose unconfirmed blocks left the index
     # the other gateways' figures for this replica as of the last fleet tick (gateway/fleet/shared_load.py;
@@ -158,6 +163,14 @@ class ReplicaState:
         self.dead_after_s = pool.health.dead_after_s
         self.lora_max = pool.lora.max_loras
 
+    def hand_over(self) -> int:
+        """The replica is draining: each live stream on it that can resume elsewhere is told to
+        (gateway/forwarding/resume.py); how many were."""
+        streams = list(self.streams)
+        for leave in streams:
+            leave()
+        return len(streams)
+
     async def drained(self, timeout_s: float) -> bool:
         """Wait until no request is in flight (the replica is draining); False on timeout."""
         if self.inflight == 0:
@@ -193,6 +206,7 @@ class ReplicaState:
             url=self.url,
             pool=self.pool,
             healthy=self.circuit.current(now) != OPEN,
+            draining=self.cordoned,
             circuit=self.circuit.state,
             models=self.models,
             inflight=self.inflight + self.peer_inflight,
@@ -206,6 +220,8 @@ class ReplicaState:
             placed_blocks=self.placed_blocks + self.peer_placed_blocks,
             lora=lora.view() if (lora := self.lora).enabled else None,
             tier_load_rates=self.tier_load.rates,  # kept fresh by each scrape, not stale-gated
+            kv_tokens=None if (kv := self.engine_kv) is None else kv[1],
+            inflight_kv_tokens=self.inflight_kv_tokens,
         )
 
     def queued_prompt_tokens(self) -> int:
@@ -253,11 +269,17 @@ class ReplicaState:
 
     # --- what the proxy reports ------------------------------------------------------------
     def dispatched(
-        self, uncached_prompt_tokens: int, new_blocks: int = 0, cold: int | None = None
+        self,
+        uncached_prompt_tokens: int,
+        new_blocks: int = 0,
+        cold: int | None = None,
+        kv_tokens: int = 0,
     ) -> None:
-        """A request sent here; `cold`: the key of a new prefix it places (none held here)."""
+        """A request sent here; `cold`: the key of a new prefix it places (none held here);
+        `kv_tokens`: its prompt, the KV it holds here until it ends."""
         self.inflight += 1
         self.inflight_prompt_tokens += uncached_prompt_tokens
+        self.inflight_kv_tokens += kv_tokens
         self.placed_blocks += new_blocks
         if cold is not None:
             entry = self.cold.setdefault(cold, [0, 0])
@@ -276,8 +298,9 @@ class ReplicaState:
         if self.on_load is not None:
             self.on_load()
 
-    def finished(self) -> None:
+    def finished(self, kv_tokens: int = 0) -> None:
         self.inflight = max(0, self.inflight - 1)
+        self.inflight_kv_tokens = max(0, self.inflight_kv_tokens - kv_tokens)
         if self.inflight == 0 and self._idle is not None:
             self._idle.set()
         if self.on_load is not None:

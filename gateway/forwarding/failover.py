@@ -9,10 +9,14 @@ replica, the policy and the index exactly once (`Dispatch`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
+from gateway.api.streams import StreamTap
 from gateway.config import PoolConfig, TimeoutsConfig
 from gateway.errors import (
     GatewayError,
@@ -20,6 +24,7 @@ from gateway.errors import (
     ServerBusy,
     UpstreamError,
     UpstreamTimeout,
+    sse_error_event,
 )
 from gateway.forwarding.outbound import Forwarded, Links, Outbound
 from gateway.forwarding.relay import (
@@ -28,9 +33,21 @@ from gateway.forwarding.relay import (
     normalize_error_body,
     open_upstream,
     relay_stream,
+    response_headers,
     send_whole,
 )
+from gateway.forwarding.resume import (
+    NoClient,
+    Resumer,
+    StreamResume,
+    streamed_body,
+    trigger_of,
+    wants_ids,
+    whole_answer,
+    with_ids,
+)
 from gateway.routing.router import Dispatch
+from gateway.transport.errors import UpstreamBrokenError
 from gateway.transport.writer import ResponseWriter
 
 if TYPE_CHECKING:
@@ -43,6 +60,7 @@ class Failover:
     def __init__(self, links: Links, lora: LoraPlacement) -> None:
         self.gw = links
         self.lora = lora
+        self.resumer = Resumer(links)
 
     async def forward(
         self, out: Outbound, first: Dispatch, writer: ResponseWriter, fwd: Forwarded
@@ -69,6 +87,16 @@ class Failover:
             candidates = iter(ranked[1:])
         retries = pc.retries
         attempt: Dispatch | None = first
+        state = self.resumable(out)
+        body = out.body
+        stream = req.stream
+        if state is not None and state.refused is None and wants_ids(req, pc.resume.engine):
+            if req.stream:
+                body = with_ids(body, req.body)  # the ids a resume continues from
+            else:  # `resume.whole`: streamed from the engine, answered whole
+                body, stream = streamed_body(orjson.loads(body)), True
+        elif state is not None and not req.stream:
+            state = None  # a whole answer resumes only by ids
         while attempt is not None:
             current = attempt
             name = current.replica.name
@@ -83,8 +111,8 @@ class Failover:
                     break
                 try:
                     opened = await open_upstream(
-                        gw.upstream, current.replica.url, path, out.body, out.headers,
-                        pc.timeouts, req.stream, left, gw.answers, out.answers_cap,
+                        gw.upstream, current.replica.url, path, body, out.headers,
+                        pc.timeouts, stream, left, gw.answers, out.answers_cap,
                         method=out.kind.method, json_answer=out.kind.json_answer,
                     )  # fmt: skip
                 except ServerBusy:  # the gateway's own answer budget, not the replica's fault
@@ -113,11 +141,15 @@ class Failover:
                 fwd.attempts.append((name, current.replica.url, t_sent, 0, opened.status, None))
                 current.prefilled()
                 try:
-                    await self.deliver(out, opened, writer, fwd)
+                    await self.deliver(out, opened, writer, fwd, state, current)
                 finally:
                     opened.free()  # the answer is with the client (or never will be)
-                # a 4xx is the request's fault, not the replica's: only 5xx and broken streams count
-                ok = opened.status < 500 and fwd.outcome != "broken_mid_stream"
+                # a 4xx is the request's fault, not the replica's: only 5xx and broken streams
+                # count (a stream resumed elsewhere broke here; a drained one did not)
+                broke_here = fwd.outcome == "broken_mid_stream" or (
+                    bool(fwd.resumes) and fwd.resumes[0][2] != "drain"
+                )
+                ok = opened.status < 500 and not broke_here
                 # the replica's own TTFT (sent -> first byte), not the client's: no queue time in it
                 ttft_s = (fwd.t_first - t_sent) / 1e9 if req.stream and fwd.status == 200 else None
                 await current.finished(
@@ -130,10 +162,22 @@ class Failover:
         fwd.error = _all_failed(failures, fired, pc, out.expose_errors)
         return fwd
 
+    def resumable(self, out: Outbound) -> StreamResume | None:
+        """The resume of a chat or completions request when its pool resumes (docs/resume.md):
+        a stream's; a non-streamed one's with `resume.whole`."""
+        req, cfg = out.req, out.pool.config.resume
+        if not cfg.enabled or out.kind.name not in ("chat", "completions"):
+            return None
+        if not req.stream and not cfg.whole:
+            return None
+        return StreamResume(cfg, req, asked_ids=req.body.get("return_token_ids") is True)
+
     async def deliver(
-        self, out: Outbound, opened: Opened, writer: ResponseWriter, fwd: Forwarded
-    ) -> None:
-        """Relay the chosen replica's answer and read its usage."""
+        self, out: Outbound, opened: Opened, writer: ResponseWriter, fwd: Forwarded,
+        state: StreamResume | None = None, current: Dispatch | None = None,
+    ) -> None:  # fmt: skip
+        """Relay the chosen replica's answer and read its usage; a stream that breaks mid-way
+        resumes on another replica when it can (`state`)."""
         status = opened.status
         extra = out.answer_headers()
         if status != 200:
@@ -145,16 +189,28 @@ class Failover:
         usage: Any
         row = out.kind
         learn = out.learn
-        if out.req.stream:
-            tap = row.tap(strip_usage=not out.req.include_usage)
+        if not out.req.stream and state is not None:  # streamed from the engine: whole here
+            usage = await self._whole(out, opened, writer, fwd, state, current)
+        elif out.req.stream:
+            strip = not out.req.include_usage
+            tap = row.tap(strip) if state is None or state.refused else state.tap(strip)
             early = None if learn is None else _learn_early(tap, fwd, learn)
-            broke = await relay_stream(
-                opened, writer, extra, tap, early, live=self.gw.live_streams
-            )
+            if state is not None and current is not None:
+                state.watch(current.replica, opened.resp, out.pool)
+            try:
+                broke = await relay_stream(
+                    opened, writer, extra, tap, early, live=self.gw.live_streams,
+                    keep_open=state is not None,
+                )  # fmt: skip
+            finally:
+                if state is not None:
+                    state.unwatch()
             fwd.t_last = time.perf_counter_ns()
+            usage = tap.usage
+            if broke is not None and state is not None:
+                broke, usage = await self._resume(out, state, tap, broke, writer, fwd)
             if broke is not None:
                 fwd.outcome, fwd.error_type = "broken_mid_stream", broke.type
-            usage = tap.usage
             learned, fwd.answer_id = fwd.answer_id, getattr(tap, "answer_id", None)
             if learn is not None and learned is None and fwd.answer_id is not None:
                 await learn(fwd.answer_id, fwd.replica)  # its id came after the first chunk
@@ -169,6 +225,90 @@ class Failover:
             usage = row.usage(opened.parsed) if opened.parsed is not None else None
         if isinstance(usage, dict):
             fwd.input_tokens, fwd.output_tokens, fwd.cached_tokens = row.counts(usage)
+            if fwd.resumes:  # the first replica never told its cache: its receipt is unreported
+                fwd.cached_tokens = None
+
+
+    async def _resume(
+        self, out: Outbound, state: StreamResume, tap: StreamTap, broke: GatewayError,
+        writer: ResponseWriter, fwd: Forwarded,
+    ) -> tuple[GatewayError | None, Any]:  # fmt: skip
+        """Resume a stream that broke (the client's still open): the error it ends with (None:
+        it ended properly) and the answer's usage."""
+        failed = fwd.replica
+        if self.gw.live_streams.closing:  # the gateway is going down: no new upstream now
+            still: GatewayError | None = broke
+        else:
+            trigger = trigger_of(broke, tap.broken, state.drained)
+            if fwd.attempts:  # the attempt that broke ends here, broken
+                name, url, t0, _, status, _ = fwd.attempts[-1]
+                fwd.attempts[-1] = (name, url, t0, fwd.t_last, status, "broken_mid_stream")
+            still = await self.resumer.resume(
+                out, state, broke, trigger, writer, fwd, failed, tap.last_ns or time.time_ns()
+            )
+        await writer.end(sse_error_event(still) if still is not None else b"")
+        return still, state.ledger.usage if still is None else tap.usage
+
+
+    async def _whole(
+        self, out: Outbound, opened: Opened, writer: ResponseWriter, fwd: Forwarded,
+        state: StreamResume, current: Dispatch | None,
+    ) -> Any:  # fmt: skip
+        """A non-streamed answer the engine streams (`resume.whole`): collected into the
+        ledger, resumed on another replica if it breaks, then answered whole; its usage."""
+        tap = state.tap(strip_usage=True)
+        resp = opened.resp
+        if current is not None:
+            state.watch(current.replica, resp, out.pool)
+        broke: GatewayError | None = None
+        ended = False
+        try:
+            chunk = opened.first
+            while True:
+                tap.feed(chunk)
+                if tap.broken is not None or tap.done:
+                    break
+                chunk = await resp.read_chunk()
+                if not chunk:
+                    ended = True
+                    break
+        except asyncio.CancelledError:
+            resp.abort()
+            raise
+        except TimeoutError:
+            broke = UpstreamTimeout("The upstream replica stopped sending mid-answer (timeout)")
+        except UpstreamBrokenError as exc:
+            broke = UpstreamError(f"The upstream replica failed mid-answer ({exc})")
+        finally:
+            state.unwatch()
+        if broke is None and tap.broken is not None:
+            broke = UpstreamError(f"The upstream replica sent {tap.broken}")
+        elif broke is None and not tap.done:
+            broke = UpstreamError("The upstream replica ended the answer before its end")
+        if ended or tap.done:
+            resp.release()
+        else:
+            resp.abort()
+        fwd.t_last = time.perf_counter_ns()
+        if broke is not None:
+            trigger = trigger_of(broke, tap.broken, state.drained)
+            if fwd.attempts:
+                name, url, t0, _, status, _ = fwd.attempts[-1]
+                fwd.attempts[-1] = (name, url, t0, fwd.t_last, status, "broken_mid_stream")
+            broke = await self.resumer.resume(
+                out, state, broke, trigger, NoClient(), fwd, fwd.replica,  # type: ignore[arg-type]
+                tap.last_ns or time.time_ns(),
+            )
+        if broke is not None:
+            fwd.outcome, fwd.error_type = "broken_mid_stream", broke.type
+            fwd.error = broke  # nothing reached the client: the pipeline answers the error
+            return None
+        headers = [(k, v) for k, v in response_headers(opened.resp, out.answer_headers())
+                   if k != b"content-type"]  # fmt: skip
+        headers.append((b"content-type", b"application/json"))
+        await writer.whole(200, headers, whole_answer(state.ledger))
+        fwd.t_last = time.perf_counter_ns()
+        return state.ledger.usage
 
 
 def _learn_early(

@@ -103,6 +103,10 @@ class Forwarded:
     # t_start, t_end (0: the answer's, t_last), status (0: none), the failover outcome of
     # gateway_upstream_attempts_total (None: this replica answered))
     attempts: list[tuple[str, str, int, int, int, str | None]] = field(default_factory=list)
+    # each resume (gateway/forwarding/resume.py): the replica that continued, the token offset it
+    # resumed at, what set it off, its outcome; and the gap each cost the client (s)
+    resumes: list[tuple[str, int, str, str]] = field(default_factory=list)
+    resume_gaps: list[float] = field(default_factory=list)
     pd_prefill: tuple[int, int] = (0, 0)  # a P/D request's prefill leg that served (gateway/forwarding/pd.py)
 
 
@@ -121,10 +125,11 @@ def upstream_headers(
     if key is not None:
         out.append((b"authorization", b"Bearer " + key.get_secret_value().encode()))
     if trace is not None:
-        out.append((b"traceparent", trace.traceparent().encode()))
-        state = trace.tracestate()
-        if state:
-            out.append((b"tracestate", state.encode()))
+        out.append((b"traceparent", trace.traceparent_bytes()))
+        if trace.trace_state:  # only an incoming trace's, forwarded
+            state = trace.tracestate()
+            if state:
+                out.append((b"tracestate", state.encode()))
     return out
 
 

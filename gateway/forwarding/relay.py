@@ -217,8 +217,10 @@ async def relay_stream(
     tap: StreamTap,
     after_first: Callable[[], Awaitable[None]] | None = None,
     live: LiveStreams | None = None,
+    keep_open: bool = False,
 ) -> GatewayError | None:
-    """Relay an SSE stream; returns the error that broke it mid-way (already told to the client).
+    """Relay an SSE stream; returns the error that broke it mid-way (already told to the client,
+    unless `keep_open`: then the client's stream is left open for a resume to go on with).
 
     The client gets the replica's complete, valid events (through `tap`), then, if the stream
     broke, one error event of its own and nothing more: no `[DONE]`, so no client takes a broken
@@ -231,7 +233,7 @@ async def relay_stream(
     if live is not None:
         live.add(resp)
     try:
-        return await _relay(opened, writer, extra_headers, tap, after_first, live)
+        return await _relay(opened, writer, extra_headers, tap, after_first, live, keep_open)
     finally:
         if live is not None:
             live.discard(resp)
@@ -244,6 +246,7 @@ async def _relay(
     tap: StreamTap,
     after_first: Callable[[], Awaitable[None]] | None,
     live: LiveStreams | None,
+    keep_open: bool = False,
 ) -> GatewayError | None:
     resp = opened.resp
     headers = response_headers(resp, extra_headers)
@@ -297,6 +300,8 @@ async def _relay(
         resp.release()
     else:
         resp.abort()
+    if broke is not None and keep_open:
+        return broke
     await writer.end(sse_error_event(broke) if broke is not None else b"")
     return broke
 

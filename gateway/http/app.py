@@ -309,6 +309,21 @@ def create_app(
         )
         return _json({**error_payload(exc), "applied": False, "version": version}, exc.status)
 
+    async def drain_replica(request: Request) -> Response:
+        """Cordon a replica (`drain`): no new requests, its live streams handed over to others
+        (docs/resume.md); `undrain` takes it back."""
+        name, action = request.path_params["name"], request.path_params["action"]
+        found = [r for r in gateway.all_replicas() if r.name == name]
+        if not found or action not in ("drain", "undrain"):
+            return _error(NotFound(f"Unknown path {request.url.path}", code="unknown_url"))
+        handed = 0
+        for r in found:
+            r.draining = r.cordoned = action == "drain"
+            if r.draining:
+                handed += r.hand_over()
+            gateway.notify_capacity(r.pool)
+        return _json({"replica": name, "draining": action == "drain", "handed_over": handed})
+
     async def openapi_json(request: Request) -> Response:
         return _json(openapi_document(gateway.config.priority_classes))  # classes follow reloads
 
@@ -359,6 +374,8 @@ def create_app(
             Route("/admin/status", admin_only(gateway, status), methods=["GET"]),
             Route("/admin/config", admin_only(gateway, active_config), methods=["GET"]),
             Route("/admin/reload", admin_only(gateway, reload_now), methods=["POST"]),
+            Route("/admin/replicas/{name}/{action}", admin_only(gateway, drain_replica),
+                  methods=["POST"]),  # fmt: skip
             Route("/dashboard", dashboard, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
             # served by GatewayApp; here so that another method gets a 405

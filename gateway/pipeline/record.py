@@ -266,7 +266,10 @@ class Recorder:
                     None if rec.receipt is None else rec.receipt.predicted, sent.cached_tokens,
                     sent.output_tokens, None if queue_s is None else round(queue_s, 6),
                     None if ttft_s is None else round(ttft_s, 6), round(total_s, 6),
-                    max(0, len(sent.tried) - 1), rec.policy or None, rec.reason or None,
+                    max(0, len(sent.tried) - 1 - len(sent.resumes)), rec.policy or None,
+                    rec.reason or None, len(sent.resumes),
+                    sent.resumes[0][1] if sent.resumes else None,
+                    round(max(sent.resume_gaps), 6) if sent.resume_gaps else None,
                 )
             )
         )

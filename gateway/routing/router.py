@@ -344,7 +344,7 @@ class Dispatch:
     """
 
     __slots__ = (
-        "index", "pool", "replica", "view", "routed", "hit_tokens", "uncached", "cold",
+        "index", "pool", "replica", "view", "routed", "hit_tokens", "uncached", "queued", "cold", "rides",
         "_prefilled", "_done", "_settled", "_unrecords", "adapter_load",
     )  # fmt: skip
 
@@ -361,6 +361,12 @@ class Dispatch:
         )  # fmt: skip
         hit = min(routed.prompt_tokens, int(view.hit_blocks * routed.tokens_per_block))
         self.hit_tokens, self.uncached = hit, routed.prompt_tokens - hit
+        # the prefill it queues there: what the replica recomputes. Tokens it holds on a lower
+        # tier are loaded, not recomputed (tens of ms, docs/tiers.md); counted as queued prefill
+        # they taught the ttft scorer that a queued token costs next to nothing on a replica that
+        # served tier hits, and it piled requests onto that replica (issue 42)
+        tiers = self.tier_tokens()
+        self.queued = self.uncached - (sum(tiers.values()) if tiers else 0)
         self._prefilled = self._done = self._settled = False
         self._unrecords = replica.unrecords
         # a new prefix for this replica: keyed by the chain's first COLD_KEY_BLOCKS blocks, so
@@ -368,8 +374,13 @@ class Dispatch:
         # before either's blocks reached the shared index) is counted once across the fleet
         hashes = routed.block_hashes
         new_prefix = bool(hashes) and not view.hit_blocks
-        self.cold = hashes[min(len(hashes), COLD_KEY_BLOCKS) - 1] if new_prefix else None
-        replica.dispatched(self.uncached, max(0, routed.n_blocks - view.hit_blocks), self.cold)
+        key = hashes[min(len(hashes), COLD_KEY_BLOCKS) - 1] if hashes else None
+        self.cold = key if new_prefix else None
+        # its hit is a prefix placed here and not yet prefilled: it waits for the rest of that
+        # prefill, which the queued count overstates (issue 42), so its TTFT teaches nothing
+        self.rides = not new_prefix and key is not None and key in replica.cold
+        replica.dispatched(self.queued, max(0, routed.n_blocks - view.hit_blocks), self.cold,
+                           routed.prompt_tokens)  # fmt: skip
         # a LoRA adapter: counted in flight there; None for a model that is no adapter of it
         lora = replica.lora
         self.adapter_load = lora.dispatched(routed.model) if lora.is_adapter(routed.model) else None
@@ -387,7 +398,7 @@ class Dispatch:
         """The first token arrived: the prompt is no longer queued prefill work."""
         if not self._prefilled:
             self._prefilled = True
-            self.replica.prefilled(self.uncached, self.cold)
+            self.replica.prefilled(self.queued, self.cold)
 
     async def failed(self, why: str, busy: bool = False) -> None:
         """The attempt failed before an answer: the replica's breaker counts it (unless it timed
@@ -439,6 +450,8 @@ class Dispatch:
             tier_tokens=tiers,
             cached_tokens=cached_tokens,
             tokens_per_block=self.routed.tokens_per_block,
+            kv_waits=v.kv_waits(self.routed.prompt_tokens),
+            rides=self.rides,
         )
         self.pool.policy.observe(outcome)
         cached = outcome.credited_cached_tokens()
@@ -480,7 +493,7 @@ class Dispatch:
         if not self._done:
             self._done = True
             self.prefilled()
-            self.replica.finished()
+            self.replica.finished(self.routed.prompt_tokens)
             if self.adapter_load is not None:
                 self.replica.lora.finished(self.routed.model)
 

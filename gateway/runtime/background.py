@@ -220,6 +220,7 @@ class Background:
         snapshot that still has them) finish, then the index forgets them."""
         for r in gone:
             r.draining = True
+            r.hand_over()  # its streams go on elsewhere (pools.<p>.resume)
             monitor = self._monitors.pop(id(r), None)
             self.spawn(self._drain(r, monitor, grace_s), name=f"drain:{r.name}")
 

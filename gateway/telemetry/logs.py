@@ -32,7 +32,8 @@ ACCESS = logging.getLogger("gateway.access")
 ACCESS_FIELDS = (
     "request_id", "tenant", "model", "pool", "replica", "status", "outcome", "error_type",
     "stream", "priority", "prompt_tokens", "predicted_cached_tokens", "cached_tokens",
-    "output_tokens", "queue_s", "ttft_s", "total_s", "retries", "policy", "reason",
+    "output_tokens", "queue_s", "ttft_s", "total_s", "retries", "policy", "reason", "resumes",
+    "resumed_at", "resume_gap_s",
 )  # fmt: skip
 _SHOWN: dict[str, str] = {}  # a text value -> how it shows (bare or quoted); names repeat
 _SHOWN_MAX = 4096
@@ -53,7 +54,8 @@ class AccessLine:
 
     def __str__(self) -> str:
         (rid, tenant, model, pool, replica, status, outcome, error_type, stream, priority, prompt,
-         predicted, cached, output, queue_s, ttft_s, total_s, retries, policy, reason) = self.values
+         predicted, cached, output, queue_s, ttft_s, total_s, retries, policy, reason, resumes,
+         resumed_at, resume_gap_s) = self.values
         rid = str(rid)  # new for every request: not memoised like the names        # one f-string in ACCESS_FIELDS order: each value as `_text` shows it, fast paths inlined
         return (
             f"request request_id={rid if rid.isascii() and rid.isalnum() else _quoted(rid)} "
@@ -64,7 +66,8 @@ class AccessLine:
             f"prompt_tokens={_num(prompt)} predicted_cached_tokens={_num(predicted)} "
             f"cached_tokens={_num(cached)} output_tokens={_num(output)} queue_s={_num(queue_s)} "
             f"ttft_s={_num(ttft_s)} total_s={_num(total_s)} retries={retries} "
-            f"policy={_text(policy)} reason={_text(reason)}"
+            f"policy={_text(policy)} reason={_text(reason)} resumes={resumes} "
+            f"resumed_at={_num(resumed_at)} resume_gap_s={_num(resume_gap_s)}"
         )
 
 

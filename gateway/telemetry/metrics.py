@@ -139,6 +139,28 @@ class Metrics:
             ["pool", "priority"],
             (0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
         )
+        self.resumes = CounterTally(
+            "gateway_stream_resumes_total",
+            "Answers whose replica failed (or was drained) after the first byte, by what set the "
+            "resume off and its outcome: resumed (by token ids), inexact (from the text), "
+            "not_resumable, failed (no replica took the continuation) (docs/resume.md).",
+            ["pool", "trigger", "outcome"],
+        )
+        self.resume_gap = HistogramTally(
+            "gateway_stream_resume_gap_seconds",
+            "Time a resumed answer's client waited between the last token before the failure "
+            "and the first token after it.",
+            ["pool"],
+            (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+        )
+        self.resume_tokens = CounterTally(
+            "gateway_stream_resume_tokens_total",
+            "Tokens of the continuations that resumed streams: `relayed` (the answer's tokens the "
+            "client had at each resume), `prefilled` and `cached` (the continuation's prompt, "
+            "the original prompt plus the relayed tokens, as its engine reported it computed or "
+            "found cached).",
+            ["pool", "kind"],
+        )
         self.limited = CounterTally(
             "gateway_ratelimited_total",
             "Requests refused by a tenant's rate limit, by tenant and the limit that ran out.",

@@ -48,7 +48,11 @@ ATTEMPT_ATTRIBUTES: dict[str, str] = {
     "status_code": "http.response.status_code",
     "resend_count": "http.request.resend_count",
     "error_type": "error.type",
+    "resume_offset": "gateway.resume.offset",  # a resume: the tokens relayed before it
 }
+# an attempt's outcome `resume:<offset>`: it continued the answer there (`resume:<offset>:<error>`
+# when it broke in turn)
+RESUMED = "resume:"
 # the root's names this module reads or writes (ATTRIBUTES holds them too)
 _METHOD, _PATH, _OUTCOME = "http.request.method", "url.path", "gateway.outcome"
 _ADDRESS, _PORT, _AGENT = "server.address", "server.port", "user_agent.original"
@@ -75,13 +79,17 @@ def attempt_spans(
     for i, (replica, url, t0, t1, status, failed) in enumerate(attempts):
         s = min(max(t0 + offset, start), end)
         e = min(max(t1 + offset if t1 else answered if answered > s else end, s), end)
+        resumed = -1
+        if failed is not None and failed.startswith(RESUMED):  # a resume, at its token offset
+            at, _, broke = failed[len(RESUMED) :].partition(":")  # `:<error>`: it broke too
+            resumed, failed = int(at), broke or None
         if failed is not None:  # the failover's outcome: status_503 -> "503", timeout, ...
             error: str | None = failed[7:] if failed.startswith("status_") else failed
         elif status >= 400:  # CLIENT span conventions: a 4xx is an error too
             error = str(status)
         else:
             error = aborted
-        key = (replica, url, method, path, status, i, error)
+        key = (replica, url, method, path, status, i, error, resumed)
         attrs = cache.get(key) or _attempt_attributes(key)
         children.append((ATTEMPT_SPAN, _getrandbits(64) or 1, s, e, attrs, error))
 
@@ -91,7 +99,7 @@ _attempt_cache: dict[tuple[Any, ...], Mapping[str, Any]] = {}
 
 def _attempt_attributes(key: tuple[Any, ...]) -> Mapping[str, Any]:
     """One attempt's attributes, kept: attempts of the same shape share one read-only mapping."""
-    replica, url, method, path, status, resend, error = key
+    replica, url, method, path, status, resend, error, resumed = key
     parts = urlsplit(url)
     a = ATTEMPT_ATTRIBUTES
     out: dict[str, Any] = {
@@ -108,6 +116,8 @@ def _attempt_attributes(key: tuple[Any, ...]) -> Mapping[str, Any]:
         out[a["resend_count"]] = resend
     if error is not None:
         out[a["error_type"]] = error
+    if resumed >= 0:
+        out[a["resume_offset"]] = resumed
     if len(_attempt_cache) >= _CACHE_MAX:
         _attempt_cache.clear()
     got = _attempt_cache[key] = MappingProxyType(out)
@@ -252,6 +262,7 @@ TYPES: dict[str, str] = {
             "gateway.prefix.prompt_blocks", "gen_ai.usage.output_tokens", "gateway.retries",
             "http.response.status_code", "server.port", "http.request.resend_count",
             "gateway.route.predicted_cached_tokens", "gateway.route.cached_tokens",
+            "gateway.resume.offset",
         ),
         "int",
     ),
@@ -351,6 +362,10 @@ class RequestTrace:
     def traceparent(self) -> str:
         """The W3C header for the upstream request; its parent is the root span."""
         return f"00-{self.tid:032x}-{self.sid:016x}-{'01' if self.sampled else '00'}"
+
+    def traceparent_bytes(self) -> bytes:
+        """`traceparent()` as the header's bytes, formatted once (the request path's form)."""
+        return b"00-%032x-%016x-%s" % (self.tid, self.sid, b"01" if self.sampled else b"00")
 
     def tracestate(self) -> str | None:
         """The incoming tracestate to forward upstream, or None."""

@@ -27,6 +27,17 @@ Across a fleet of gateways (shared load, gateway/fleet/shared_load.py) each gate
 decayed sums (`share`) and folds in the others' (`absorb`): the sums add, so every gateway fits
 the same coefficients from all of the fleet's observations (as of the last tick or push).
 
+Each request in flight on a replica also holds KV until it ends (its prompt, in
+`ReplicaView.inflight_kv_tokens`). Where the engine's KV (`kv_tokens`, its cache_config_info)
+cannot hold a new prompt beside them, the engine admits it only once enough of them have ended,
+decode included, whatever its prefix hit: TTFT += hold_s x `ReplicaView.kv_waits(prompt)`, the
+requests in flight that must end first. `hold_s` is learned per scorer from the residual of
+the TTFTs of requests that had to wait so (one-dimensional ridge toward 0, decayed like the
+fit), and the fit learns from those TTFTs without it. A replica whose KV holds the request
+beside the rest, or that does not report its KV size, is priced as before. Without it, repeats
+of a long document piled onto the replica that held it while its KV was full of them, and the
+TTFT p99 lost to round robin (bench/tiers.py, issue 42).
+
 Blocks a replica holds on a lower KV tier (`ReplicaView.tier_hits`: host memory, disk, the
 pool's shared store; docs/tiers.md) are priced in seconds by default (`tiers: seconds`): they
 are not recomputed but loaded, at tokens x `kv_bytes_per_token` / that tier's bandwidth
@@ -94,6 +105,25 @@ class _Fit:
 _WIDTH = 10  # numbers a shared fit carries: xx (6), xy (3), n; then a replica's tier sums
 
 
+class _Hold:
+    """Seconds each request in flight on a replica adds to a new one's TTFT (it holds KV the
+    new one may need): decayed sums of n x residual and n^2, ridge toward 0 with `prior`."""
+
+    __slots__ = ("nr", "nn", "prior", "decay", "s")
+
+    def __init__(self, prior: float, decay: float) -> None:
+        self.nr = self.nn = self.s = 0.0
+        self.prior, self.decay = prior, decay
+
+    def learn(self, n: int, residual_s: float) -> None:
+        if n <= 0 or not math.isfinite(residual_s):
+            return
+        d = self.decay
+        self.nr = d * self.nr + n * min(max(residual_s, -3600.0), 3600.0)
+        self.nn = d * self.nn + n * n
+        self.s = max(0.0, self.nr / (self.nn + self.prior))
+
+
 class TTFTScorer(Scorer):
     name = "ttft"
     needs_prefix = True  # the uncached part of the prompt is what a replica must prefill
@@ -147,6 +177,7 @@ class TTFTScorer(Scorer):
         self._peer: dict[str, list[float]] = {}  # the other gateways' sums, per replica
         self._pooled = self.prior  # what a replica without observations is predicted with
         self.lora = LoraCost(lora_load_s)  # what a request's LoRA adapter adds, in seconds
+        self.hold = _Hold(float(prior_weight), float(decay))  # per request in flight, seconds
         # per replica, the measured tier rates its last prediction used: observe() takes the
         # load term out of the TTFT at the same rates
         self._measured: dict[str, Mapping[str, tuple[float, float]]] = {}
@@ -170,18 +201,22 @@ class TTFTScorer(Scorer):
                 self._saw(view.name, measured)
             uncached, load = self._tiered(view.tier_hits, uncached, req.tokens_per_block, measured)
         t = a + b * uncached + c * view.inflight_prompt_tokens + load
+        if self.hold.s:
+            t += self.hold.s * view.kv_waits(req.prompt_tokens)
         if view.lora is not None:
             t += self.lora.extra_s(req.model, view.lora)
         return max(_FLOOR_S, t)
 
     def score(self, req: RoutedRequest, views: Sequence[ReplicaView]) -> dict[str, float]:
         coef, prior, seen = self._coef, self._pooled, self._measured
-        prompt, tpb = req.prompt_tokens, req.tokens_per_block
+        prompt, tpb, hold = req.prompt_tokens, req.tokens_per_block, self.hold.s
         pred: dict[str, float] = {}
         for v in views:
             a, b, c = coef.get(v.name, prior)
             uncached = prompt - v.hit_blocks * tpb
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
+            if hold and v.kv_tokens is not None:
+                t += hold * v.kv_waits(prompt)
             if v.tier_hits and self.tiers != "off":
                 measured = v.tier_load_rates
                 if measured is not None and seen.get(v.name) is not measured:
@@ -231,8 +266,8 @@ class TTFTScorer(Scorer):
 
     def observe(self, outcome: Outcome) -> None:
         y = outcome.ttft_s
-        if not outcome.ok or y is None or not 0 <= y < float("inf"):
-            return
+        if not outcome.ok or y is None or not 0 <= y < float("inf") or outcome.rides:
+            return  # a request that rode a prefix still prefilling waited for a part of it only
         fit = self._fits.get(outcome.replica)
         if fit is None:
             if len(self._fits) >= _MAX_REPLICAS:
@@ -256,9 +291,13 @@ class TTFTScorer(Scorer):
             for t, n in tiers.items():
                 y -= n * self._s_per_token(t, measured, 0.0)
             y = max(0.0, y)
+        n = outcome.kv_waits
         if outcome.adapter_load:  # learn the load from the residual, fit the rest without it
-            self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK))
+            self.lora.learn(y - (a + b * u * _KTOK + c * q * _KTOK + self.hold.s * n))
             y = max(0.0, y - self.lora.load_s)
+        if n > 0:  # the wait for requests ahead to free KV: learned apart, fit without it
+            self.hold.learn(n, y - (a + b * u * _KTOK + c * q * _KTOK))
+            y = max(0.0, y - self.hold.s * n)
         fit.add(u, q, y, self._decay)
         self._coef[outcome.replica] = self._solve(fit, self._peer.get(outcome.replica))
         self._pool()

@@ -31,7 +31,7 @@ from prefix_index.chunking import TokenChunker
 from simulator import Fleet
 from tests.engine.conftest import KV_BLOCKS, Engine, gateway
 from tests.support import poll_until
-from tests.vllm_facts import FACTS, MAX_MODEL_LEN, MODEL, ask, lora_facts
+from tests.vllm_facts import FACTS, MAX_MODEL_LEN, MODEL, ask, lora_facts, token_id_problems
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 HELLO = [{"role": "user", "content": "hello"}]
@@ -418,32 +418,71 @@ def _served(app: Any, name: str) -> frozenset[str]:
 
 
 # --- failure (last: a replica dies) --------------------------------------------------------------
-async def test_a_replica_killed_mid_stream_and_at_rest(engine: Engine) -> None:
-    """A stream from the replica that dies ends with one clean SSE error (no hang); requests
-    after it fail over before their first byte; the index forgets the dead replica."""
+async def test_the_record_of_token_ids_holds(engine: Engine) -> None:
+    """`return_token_ids` as tests/vllm_facts.py records it (the simulator is held to the same),
+    and the greedy continuation a resume stands on, on the real engine."""
+    async with httpx.AsyncClient(timeout=120) as http:
+        assert await token_id_problems(http, engine.urls[0]) == []
+
+
+def _answer(raw: bytes) -> tuple[str, list[int], dict[str, Any] | None, list[Any]]:
+    """A chat stream's text, relayed token ids, usage, and any error events."""
+    text, ids, usage, errors = [], [], None, []
+    for block in raw.split(b"\n\n"):
+        if not block.startswith(b"data: ") or block == b"data: [DONE]":
+            continue
+        e = orjson.loads(block[6:])
+        if "error" in e:
+            errors.append(e)
+            continue
+        usage = e.get("usage") or usage
+        for c in e["choices"]:
+            text.append(c["delta"].get("content") or "")
+            ids.extend(c.get("token_ids") or [])
+    return "".join(text), ids, usage, errors
+
+
+async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) -> None:
+    """Greedy, the replica streaming an answer is killed after N tokens: the client's whole text
+    and token ids equal those of an uninterrupted run of the same request, the answer resumed on
+    the other replica (issue 41); usage counts each token once. Requests after it fail over
+    before their first byte; the index forgets the dead replica."""
     config = engine.fleet.gateway_config(mode="tokens")
     prompt = [{"role": "system", "content": doc("dying", 300)}, *HELLO]
+    n, kill_at = 512, 16  # long enough that the client reads it in many pieces
+    body = chat(prompt, max_tokens=n, stream=True, ignore_eos=True, temperature=0,
+                return_token_ids=True, stream_options={"include_usage": True})  # fmt: skip
     async with gateway(config) as (gw, app), httpx.AsyncClient(timeout=300) as http:
         res = await through(http, gw.url, chat(prompt))
         home = decision(res)["ranked"][0]
         victim = int(home[1:])
         assert _holds(app, prompt, home) > 0
-        body = chat(prompt, max_tokens=3000, stream=True, ignore_eos=True)
+        whole = await http.post(gw.url + "/v1/chat/completions", json=body)
+        want_text, want_ids, want_usage, _ = _answer(whole.content)
+        assert len(want_ids) == n and want_usage is not None
         chunks: list[bytes] = []
 
         async def read() -> None:
+            seen = 0
             async with http.stream("POST", gw.url + "/v1/chat/completions", json=body,
                                    headers={"x-gateway-explain": "1"}) as stream:  # fmt: skip
                 assert decision(stream)["ranked"][0] == home  # its prefix is there
                 async for chunk in stream.aiter_bytes():
                     chunks.append(chunk)
-                    if len(chunks) == 1:  # at once: the tiny model on a free core may
-                        engine.fleet.kill(victim)  # stream its 3000 tokens in seconds
+                    seen += chunk.count(b'"token_ids":[')
+                    if seen >= kill_at and engine.fleet.members[victim].alive():
+                        assert seen < n, "the whole answer came in one read: nothing to resume"
+                        engine.fleet.kill(victim)
 
-        await asyncio.wait_for(read(), 240)  # the stream ends (idle_s is 60 s): no hang
-        tail = b"".join(chunks)
-        assert b'"error"' in tail.rsplit(b"data: ", 1)[-1] or b'"error"' in tail[-600:]
-        assert tail.count(b'"error"') == 1
+        await asyncio.wait_for(read(), 240)
+        text, ids, usage, errors = _answer(b"".join(chunks))
+        assert errors == [] and not engine.fleet.members[victim].alive()
+        assert ids == want_ids and text == want_text
+        assert usage is not None and usage["completion_tokens"] == n == len(ids)
+        assert usage["prompt_tokens"] == want_usage["prompt_tokens"]
+        metrics = (await http.get(gw.url + "/metrics")).text
+        assert any(line.startswith("gateway_stream_resumes_total{") and 'outcome="resumed"' in line
+                   and not line.endswith(" 0.0") for line in metrics.splitlines())  # fmt: skip
         await poll_until(lambda: _holds(app, prompt, home) == 0, 20)  # health probes: forgotten
         for _ in range(3):  # at rest: the dead replica is skipped or failed over
             res = await through(http, gw.url, chat(prompt))

@@ -25,7 +25,7 @@ TENANTS = [
 ]
 FIELDS = ["request_id", "tenant", "model", "pool", "replica", "status", "outcome", "error_type",
           "stream", "priority", "prompt_tokens", "predicted_cached_tokens", "cached_tokens", "output_tokens", "queue_s",
-          "ttft_s", "total_s", "retries", "policy", "reason"]  # fmt: skip
+          "ttft_s", "total_s", "retries", "policy", "reason", "resumes", "resumed_at", "resume_gap_s"]  # fmt: skip
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:

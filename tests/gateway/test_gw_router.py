@@ -188,3 +188,22 @@ async def test_a_tenant_cache_salt_reaches_the_engine_and_scopes_the_index() -> 
     finally:
         await gw.stop()
         await server.stop()
+
+
+def test_tier_hits_are_loaded_not_queued_prefill() -> None:
+    """What a replica holds on a lower tier is loaded, not recomputed: a dispatch queues only the
+    rest as prefill there (issue 42), and its whole prompt as KV held until it ends."""
+    from gateway.routing.router import Dispatch
+    from policies.types import RoutedRequest
+
+    app = create_app(config(["http://127.0.0.1:9"]))
+    pool = app.gateway.pools["chat"]
+    replica = pool.replicas[0]
+    routed = RoutedRequest("id", "m", "s", "p", 1600, list(range(100)), 16.0)
+    view = replica.view(20, 0.0)  # 20 blocks on its GPU
+    view.tier_hits = {"cpu": 50}  # 50 more on its host tier
+    d = Dispatch(None, pool, replica, view, routed)
+    assert (d.uncached, d.queued) == (1280, 480)
+    assert (replica.inflight_prompt_tokens, replica.inflight_kv_tokens) == (480, 1600)
+    d.done()
+    assert (replica.inflight_prompt_tokens, replica.inflight_kv_tokens) == (0, 0)

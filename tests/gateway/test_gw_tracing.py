@@ -692,3 +692,11 @@ def test_the_values_the_docs_name_exist() -> None:
     assert all(
         e.isdigit() for e in errors - failover - {"broken_mid_stream", "client_disconnected"}
     )
+
+
+def test_traceparent_bytes_is_the_header() -> None:
+    from gateway.telemetry.trace import RequestTrace
+
+    for sampled in (True, False):
+        rt = RequestTrace(None, 0xABC, 0x12, None, None, sampled, 0)  # type: ignore[arg-type]
+        assert rt.traceparent_bytes() == rt.traceparent().encode()

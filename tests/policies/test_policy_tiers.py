@@ -224,3 +224,36 @@ def test_the_fit_takes_out_the_load_at_the_measured_rate() -> None:
         s.observe(Outcome("a", PROMPT, 0, 0, 0, 0.05 + 8.0 + load, tier_tokens={"cpu": 64_000}))
     a, b, _c = s.coefficients("a")
     assert a == pytest.approx(0.05, abs=0.02) and b == pytest.approx(1 / 8000, rel=0.02)
+
+
+def test_kv_waits_counts_the_requests_that_must_end_first() -> None:
+    full = ReplicaView("a", inflight=2, inflight_kv_tokens=11_000, kv_tokens=8192)
+    assert full.kv_waits(5000) == 2  # 7808 tokens over: both (5500 each) must end
+    assert full.kv_waits(0) == 1  # 2808 over already: one of them must end
+    assert replace(full, inflight_kv_tokens=4000).kv_waits(4000) == 0  # fits beside them
+    assert replace(full, kv_tokens=None).kv_waits(5000) == 0  # KV size unknown: no wait priced
+    assert replace(full, inflight=4, inflight_kv_tokens=8000).kv_waits(2000) == 1
+
+
+def test_the_wait_for_kv_is_learned_and_sends_a_hit_elsewhere() -> None:
+    """Requests that had to wait for KV teach hold_s (the fit learns without it); a replica
+    whose KV is full of requests in flight then loses a prompt it holds to an idle one."""
+    s = scorer()
+    for i in range(200):  # the prior fit exact, plus 0.8 s per request that had to end first
+        n, u = i % 4, 1000 + 500 * (i % 5)
+        s.observe(Outcome("r0", u, 0, n, 0, 0.05 + u / 8000 + n * 0.8, kv_waits=n))
+    assert s.hold.s == pytest.approx(0.8, rel=0.2)  # learned beside the fit, as it converges
+    assert s.coefficients("r0")[0] < 0.3  # not the 1.2 s mean wait: the fit learns without it
+    r = req(6000)
+    held = ReplicaView("r0", hit_blocks=375, inflight=2, inflight_kv_tokens=12_000, kv_tokens=8192)
+    idle = ReplicaView("r1", inflight=0, kv_tokens=8192)
+    scores = s.score(r, [held, idle])
+    assert scores["r1"] == 1.0 > scores["r0"]
+    assert scorer().score(r, [held, idle])["r0"] == 1.0  # nothing learned: the hit wins
+
+
+def test_a_request_that_rode_a_prefix_still_prefilling_teaches_nothing() -> None:
+    s = scorer()
+    before = s.coefficients("r0")
+    s.observe(Outcome("r0", 6000, 5900, 1, 6000, 0.1, rides=True))
+    assert s.coefficients("r0") == before
