@@ -30,6 +30,7 @@ from gateway.forwarding.outbound import Forwarded, Links, Outbound
 from gateway.forwarding.relay import (
     Opened,
     Retryable,
+    attempt_outcome,
     normalize_error_body,
     open_upstream,
     relay_stream,
@@ -377,12 +378,3 @@ def timeout_fired(
     if timeouts.idle_s < timeouts.first_byte_s and spent_s < timeouts.first_byte_s - _EARLY_S:
         return "idle_s"
     return "first_byte_s"
-
-
-def attempt_outcome(exc: Retryable) -> str:
-    """A failed attempt's outcome label (gateway_upstream_attempts_total, the P/D legs')."""
-    if exc.status is not None:
-        return f"status_{exc.status}"
-    if exc.reason.startswith("timeout"):
-        return "timeout"
-    return "connect_error" if exc.reason.startswith("connection") else "closed_early"

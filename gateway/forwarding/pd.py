@@ -31,9 +31,9 @@ from urllib.parse import urlsplit
 import orjson
 
 from gateway.errors import UpstreamError
-from gateway.forwarding.failover import Failover, _all_failed, attempt_outcome
+from gateway.forwarding.failover import Failover, _all_failed
 from gateway.forwarding.outbound import Forwarded, Links, Outbound
-from gateway.forwarding.relay import Opened, Retryable, open_upstream
+from gateway.forwarding.relay import Opened, Retryable, attempt_outcome, open_upstream
 from gateway.routing.router import Dispatch, PdDispatch
 from gateway.telemetry.pd_metrics import PdMetrics
 from gateway.transport.writer import ResponseWriter

@@ -28,7 +28,7 @@ from gateway.api.token_tap import IdsTap, Ledger
 from gateway.config import ResumeConfig
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
 from gateway.forwarding.outbound import Forwarded, Links, Outbound
-from gateway.forwarding.relay import Opened, Retryable, open_upstream
+from gateway.forwarding.relay import Opened, Retryable, attempt_outcome, open_upstream
 from gateway.limits.budgets import shutting_down
 from gateway.routing.router import Dispatch, Routing
 from gateway.telemetry.trace import RESUMED
@@ -511,8 +511,6 @@ class Resumer:
                     pc.timeouts, True, left,
                 )  # fmt: skip
             except Retryable as exc:
-                from gateway.forwarding.failover import attempt_outcome
-
                 await disp.failed(exc.reason, exc.busy)
                 outcome = attempt_outcome(exc)
                 fwd.attempts.append((name, disp.replica.url, t0, time.perf_counter_ns(),

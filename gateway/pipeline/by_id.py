@@ -23,9 +23,14 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.forwarding.failover import attempt_outcome
 from gateway.forwarding.outbound import upstream_headers
-from gateway.forwarding.relay import Retryable, normalize_error_body, open_upstream, send_whole
+from gateway.forwarding.relay import (
+    Retryable,
+    attempt_outcome,
+    normalize_error_body,
+    open_upstream,
+    send_whole,
+)
 from gateway.pipeline.record import Record
 from gateway.pipeline.steps import Pipeline, RawHeaders
 
