@@ -360,12 +360,3 @@ def with_stream_usage(raw: bytes, body: dict[str, Any]) -> bytes:
             return head + sep + b'"stream_options":{"include_usage":true}}'
     opts = body.get("stream_options") or {}
     return orjson.dumps({**body, "stream_options": {**opts, "include_usage": True}})
-
-
-def attempt_outcome(exc: Retryable) -> str:
-    """A failed attempt's outcome label (gateway_upstream_attempts_total, the P/D legs')."""
-    if exc.status is not None:
-        return f"status_{exc.status}"
-    if exc.reason.startswith("timeout"):
-        return "timeout"
-    return "connect_error" if exc.reason.startswith("connection") else "closed_early"
