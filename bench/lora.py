@@ -103,7 +103,7 @@ class LoraDesRouter(DesRouter):
             return await super().route(req, view)
         self.now = req.arrival_s
         self._sweep(placement)
-        placement.offer(self.pool, model)
+        self.offer = placement.offer(self.pool, model)
         i = await super().route(req, view)
         replica, engine = self.replicas[i], self.cluster.engines[i]
         path = placement.needs_load(self.pool, replica, model)

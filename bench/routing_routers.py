@@ -18,7 +18,7 @@ import orjson
 from gateway.api.openai import parse_body
 from gateway.config import Config, parse_config
 from gateway.fleet.scrape import LoadSample
-from gateway.routing.router import Dispatch, RouteInput
+from gateway.routing.router import Dispatch, LoraOffer, RouteInput
 from gateway.runtime.gateway import Gateway
 from policies import build_policy
 from policies.registry import DEFAULT_POLICY
@@ -120,6 +120,7 @@ class DesRouter:
         self.reasons: dict[str, int] = {}
         self.overflow = 0
         self.route_ns = [0, 0, 0]  # hash, match, choose: where the router's time goes
+        self.offer: LoraOffer | None = None  # managed LoRA's offer for the next choice
 
     def _index(self, cfg: Config) -> MemoryIndex:
         index = MemoryIndex(cfg.index.capacity_blocks, cfg.index.ttl_s, clock=lambda: self.now)
@@ -146,7 +147,7 @@ class DesRouter:
         routing = await router.route(
             parsed, pool, router.prompt(parsed), RouteInput(req.id, session_key=req.meta.get("session"))
         )  # fmt: skip
-        decision = router.choose(pool, routing, now=now)
+        decision = router.choose(pool, routing, self.offer, now=now)
         name = decision.replica
         if name is None:
             self.overflow += 1

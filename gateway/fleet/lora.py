@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gateway.transport.control import CONTROL_ERRORS, ControlClient, fetch, get_json, model_cards
+from gateway.transport.control import ControlClient, get_json, model_cards
 from policies.scorers.lora import adapter_state
 from policies.types import LoraView
 
@@ -289,18 +289,6 @@ async def refresh_models(
         adapters = sglang_names(adapters, base)
     into.set_models(adapters, base)
     return cards
-
-
-async def post_adapter(
-    client: ControlClient, url: str, path: str, body: Mapping[str, Any], timeout_s: float
-) -> tuple[int, str]:
-    """POST one runtime adapter call (`/v1/load_lora_adapter`, ...): (status, body text); status
-    0 when the replica did not answer."""
-    try:
-        reply = await fetch(client, "POST", url + path, json=dict(body), timeout_s=timeout_s)
-    except CONTROL_ERRORS as exc:
-        return 0, type(exc).__name__
-    return reply.status, reply.body[:512].decode("utf-8", "replace")
 
 
 def unserved(adapters: Iterable[ReplicaAdapters], model: str) -> bool:

@@ -68,8 +68,9 @@ class Failover:
     ) -> Forwarded:
         """Try the ranked replicas in turn until one answers; never retry after the first byte."""
         gw, pc, req = self.gw, out.pool.config, out.req
+        skipped: frozenset[str] = frozenset()  # replicas whose adapter load failed
         if pc.lora.manage:  # the adapter loaded on the pick (or the next placement) first
-            first = await self.lora.place(
+            first, skipped = await self.lora.place(
                 gw.session, out.router, out.pool, out.routing, first, out.expose_errors,
                 lambda: gw.notify_capacity(out.pool.name),  # a failed placement's slot is free
             )  # fmt: skip
@@ -79,7 +80,12 @@ class Failover:
         fired: list[str] = []  # the timeout that ended each timed-out attempt
         deadline = time.monotonic() + pc.timeouts.total_s  # the whole request, retries included
         assert out.routing.decision is not None
-        candidates = iter(out.routing.decision.ranked[1:])
+        ranked = out.routing.decision.ranked
+        if skipped:  # after the placement, the rest of the ranking but the failed loads
+            placed = first.replica.name
+            candidates = iter([n for n in ranked if n != placed and n not in skipped])
+        else:
+            candidates = iter(ranked[1:])
         retries = pc.retries
         attempt: Dispatch | None = first
         state = self.resumable(out)

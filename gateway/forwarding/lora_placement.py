@@ -1,14 +1,16 @@
 """Managed LoRA placement (`pools.<p>.lora.manage: true`, off by default; docs/lora.md).
 
-Before a request for a managed adapter is routed, `offer` says which replicas may take it: those
-that serve it, and, while it is on fewer replicas than its demand calls for, every other replica
-that allows runtime updates. Demand: its requests in flight in the pool (this one included) per
+Before a request for a managed adapter is chosen for, `offer` says which replicas may take it
+(a `LoraOffer`, an input of `Router.choose`): those that serve it, and, while it is on fewer
+replicas than its demand calls for, every other replica that allows runtime updates. Demand: its requests in flight in the pool (this one included) per
 `requests_per_replica`, at least one replica and at most `max_replicas_per_adapter`; one more
 when every replica holding it has all its GPU adapter slots busy with other adapters. The policy
 then picks among them as usual (a load is priced in seconds like any other). When the pick does
-not serve the adapter yet, `place` loads it there first (`POST /v1/load_lora_adapter`
-`{lora_name, lora_path}`; vLLM needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING`). A load that fails moves
-the request to the next replica of the policy's ranking, up to the pool's `retries` more; when
+not serve the adapter yet, `place` loads it there first, a forwarding step on the control client
+(`POST /v1/load_lora_adapter` `{lora_name, lora_path}`; vLLM needs
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING`). A load that fails moves the request to the next replica of
+the policy's ranking, up to the pool's `retries` more (the decision itself is never edited:
+`place` says which replicas failed, and failover passes them over); when
 every placement failed the request gets one error of the gateway's, never a replica's answer to
 a request it could not serve (`placement_error`: 404 `model_not_found` when no replica tried
 could find the adapter, 503 when they did not answer, else 502). A replica that answers 404 or
@@ -24,18 +26,18 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gateway.errors import GatewayError, NoReplicaAvailable, NotFound, UpstreamError
-from gateway.fleet.lora import post_adapter
 from gateway.fleet.pools import Pool
 from gateway.fleet.replicas import ReplicaState
-from gateway.routing.router import Dispatch, Router, Routing
-from gateway.transport.control import ControlClient
+from gateway.routing.router import Dispatch, LoraOffer, Router, Routing
+from gateway.transport.control import CONTROL_ERRORS, ControlClient, fetch
 
 log = logging.getLogger("gateway.lora")
 LOAD_PATH, UNLOAD_PATH = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
@@ -112,25 +114,26 @@ class LoraPlacement:
         registry.register(_PlacementCollector(self))
 
     # --- decisions (synchronous) ----------------------------------------------------------
-    def offer(self, pool: Pool, model: str) -> None:
-        """Set each replica's loadable adapters for a request of `model` (managed pools only)."""
+    def offer(self, pool: Pool, model: str) -> LoraOffer | None:
+        """The adapters each replica may load for a request of `model` (None: the pool's
+        placement is not managed). Reads the replicas' state, changes nothing."""
         cfg = pool.config.lora
         if not cfg.manage:
-            return
+            return None
         managed = frozenset(cfg.adapters)
         if model not in managed:
-            for r in pool.replicas:
-                r.lora.set_loadable(_NONE, managed)
-            return
+            return LoraOffer(managed, {})
         serving = [r for r in pool.replicas if model in r.lora.served]
         demand = 1 + sum(r.lora.own.get(model, 0) for r in pool.replicas)
         wanted = min(cfg.max_replicas_per_adapter, max(1, math.ceil(demand / cfg.requests_per_replica)))
         # every replica holding it has all its GPU slots busy with other adapters: one more
         stuck = bool(serving) and all(r.lora.state(model) == "busy" for r in serving)
         more = frozenset({model}) if len(serving) < wanted or stuck else _NONE
-        for r in pool.replicas:
-            may = more if r.name not in self.no_runtime and model not in r.lora.served else _NONE
-            r.lora.set_loadable(may, managed)
+        loadable = {
+            r.name: more if r.name not in self.no_runtime and model not in r.lora.served else _NONE
+            for r in pool.replicas
+        }
+        return LoraOffer(managed, loadable)
 
     def needs_load(self, pool: Pool, replica: ReplicaState, model: str) -> str | None:
         """The path `replica` must load `model` from before it gets the request, or None."""
@@ -171,13 +174,13 @@ class LoraPlacement:
     async def place(
         self, client: ControlClient, router: Router, pool: Pool, routing: Routing, first: Dispatch,
         expose: bool = False, released: Callable[[], None] | None = None,
-    ) -> Dispatch:  # fmt: skip
+    ) -> tuple[Dispatch, frozenset[str]]:  # fmt: skip
         """Where the request goes: `first` once its adapter is loaded there (or needs no load);
         after a failed load the next replica of the policy's ranking that may take it, up to
         `retries` more. Raises `placement_error` when every placement failed (each failed
-        dispatch given up: counted nowhere, its slot freed, `released` told). The decision's
-        ranking then starts at the placement and holds no replica whose load failed (failover's
-        candidates)."""
+        dispatch given up: counted nowhere, its slot freed, `released` told). Returns the
+        placement's dispatch and the replicas whose load failed, which failover passes over;
+        the decision stays as the policy made it."""
         model = routing.routed.model
         decision = routing.decision
         assert decision is not None
@@ -200,11 +203,7 @@ class LoraPlacement:
             if nxt is None:
                 raise placement_error(model, failures, expose, pool.config.health.interval_s)
             current = await router.dispatch(pool, routing, nxt)
-        if failures:
-            failed = {f.replica for f in failures}
-            name = current.replica.name
-            decision.ranked[:] = [name, *(n for n in decision.ranked if n != name and n not in failed)]
-        return current
+        return current, frozenset(f.replica for f in failures)
 
     def _may_load(self, replica: ReplicaState, model: str) -> bool:
         return model in replica.lora.served or replica.name not in self.no_runtime
@@ -270,6 +269,18 @@ class LoraPlacement:
             else:
                 log.warning("replica %s: unloading LoRA adapter %s failed (%s %s)", replica.name,
                             model, status or "no answer", text[:200])  # fmt: skip
+
+
+async def post_adapter(
+    client: ControlClient, url: str, path: str, body: Mapping[str, Any], timeout_s: float
+) -> tuple[int, str]:
+    """POST one runtime adapter call (`/v1/load_lora_adapter`, ...): (status, body text); status
+    0 when the replica did not answer."""
+    try:
+        reply = await fetch(client, "POST", url + path, json=dict(body), timeout_s=timeout_s)
+    except CONTROL_ERRORS as exc:
+        return 0, type(exc).__name__
+    return reply.status, reply.body[:512].decode("utf-8", "replace")
 
 
 class _PlacementCollector(Collector):

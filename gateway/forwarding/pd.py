@@ -1,5 +1,6 @@
-"""A disaggregated (prefill/decode) pool's request: pick a prefill and a decode replica, run the
-legs the engines' protocol asks for, relay the decode replica's answer (docs/pd.md).
+"""A disaggregated (prefill/decode) pool's request, on the pair routing chose (`Router.choose`: a
+`PdDispatch`): run the legs the engines' protocol asks for, relay the decode replica's answer
+(docs/pd.md).
 
 `vllm-nixl` (serial; ../shared/reference/pd-lora-tiers.md §1.2-1.6): the prefill leg is the
 client's body, non-streamed, `max_tokens: 1`, no `stream_options`/`min_tokens`, with
@@ -63,7 +64,7 @@ class _Leg:
 
 class PdForwarder:
     """A disaggregated pool's forwarder, beside the plain one (`Failover`): the pipeline's steps
-    are the same, the pool picks which forwards (`Pipeline.forwarder`)."""
+    are the same; `Pipeline.handle` hands a `PdDispatch` (a P/D pool's choice) to this one."""
 
     def __init__(self, links: Links, failover: Failover) -> None:
         self.gw, self.failover = links, failover

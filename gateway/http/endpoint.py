@@ -25,7 +25,7 @@ from gateway.errors import (
 )
 from gateway.limits.budgets import BodyBudget, shutting_down
 from gateway.limits.tenants import Tenant
-from gateway.pipeline.record import Record, request_id
+from gateway.pipeline.record import Ended, Record, request_id
 from gateway.pipeline.steps import Pipeline, RawHeaders
 from gateway.runtime.snapshot import Snapshot
 from gateway.transport import delays
@@ -252,8 +252,7 @@ class ProxyEndpoint:
                 server.max_body_bytes_in_flight,
             )
         except ClientGone:
-            rec.outcome = "client_disconnected"
-            await pipeline.finish(snap, rec, None)
+            await pipeline.finish(snap, rec, None, ("client_disconnected", None))
             return
         except GatewayError as exc:  # 413, 408, 503 or a bad Content-Length: the rest is unread
             await pipeline.finish(snap, rec, exc)
@@ -278,6 +277,7 @@ class ProxyEndpoint:
             watching = self._watching = delays.shared(task.get_loop(), WATCH_AFTER_S, WATCH_TICK_S)
         watching.arm(watch, watch.start)  # most requests end before: no watcher task for them
         error: GatewayError | None = None
+        ended: Ended | None = None  # how it ended, when neither an error nor the forwarder says
         try:
             await self.run(snap, self.kind, raw, headers, tenant, writer, rec)
         except GatewayError as exc:
@@ -289,7 +289,7 @@ class ProxyEndpoint:
                 await self._cancelled(snap, writer, rec)
                 raise
             task.uncancel()
-            rec.outcome, rec.error_type = "client_disconnected", "client_disconnected"
+            ended = ("client_disconnected", "client_disconnected")
         except Exception:
             log.exception("unexpected error on %s", scope.get("path"))
             error = GatewayError("Internal gateway error")
@@ -298,7 +298,7 @@ class ProxyEndpoint:
         finally:
             watching.disarm(watch)
             watch.stop()
-        await pipeline.finish(snap, rec, error)
+        await pipeline.finish(snap, rec, error, ended)
 
     async def _cancelled(self, snap: Snapshot, writer: ResponseWriter, rec: Record) -> None:
         """The request's task was cancelled by the server (its graceful shutdown ran out): the
@@ -306,10 +306,10 @@ class ProxyEndpoint:
         plain-text 500) and the request its line in the request log."""
         error = shutting_down()
         started = writer.started
-        if started:  # the answer began: it ends cut short
-            rec.outcome, rec.error_type = "broken_mid_stream", error.type
+        # the answer began: it ends cut short; else the client gets the error
+        ended: Ended | None = ("broken_mid_stream", error.type) if started else None
         try:
             if not started:
                 await send_error(writer, error, close=True)
         finally:
-            await self.pipeline.finish(snap, rec, None if started else error)
+            await self.pipeline.finish(snap, rec, None if started else error, ended)

@@ -33,9 +33,25 @@ if TYPE_CHECKING:
     from gateway.runtime.snapshot import Snapshot
 
 
+Ended = tuple[str, str | None]  # (outcome, error type) of a request no error ended
+
+
 @dataclass(slots=True)
 class Record:
-    """perf_counter_ns times; 0 = did not happen."""
+    """What one request did; perf_counter_ns times, 0 = did not happen. Each field has one
+    writer, which writes it once:
+
+    - the endpoint (`ProxyEndpoint`, gateway/http/endpoint.py) as the request arrives: `t_in`,
+      `snapshot`, `request_id`, `path`, `trace`, `tenant`;
+    - the request's run, `Pipeline.handle` (steps.py), or `by_id` (by_id.py) for a by-id
+      request: `model`, `stream`, `priority`, `pool`, `prompt_tokens`, `charged`, `t_route`,
+      `t_queue`;
+    - `Pipeline.admit`: `t_admitted`, `t_routed`, and through `routed` the decision's `policy`,
+      `reason`, `prompt_blocks`, `predicted_hit_blocks`, `stages`;
+    - the forwarder that sends it (failover.py, pd.py, or by_id.py): `sent`, filled in as it goes;
+    - `Pipeline.finish`, through `ended`: `status`, `outcome`, `error_type`;
+    - `Recorder.record`: `receipt`.
+    """
 
     t_in: int
     trace: RequestTrace | None = None
@@ -70,8 +86,15 @@ class Record:
         self.predicted_hit_blocks = decision.predicted_hit_blocks
         self.stages = (routing.hash_ns, routing.match_ns, routing.choose_ns)
 
-    def failed(self, exc: GatewayError) -> None:
-        self.status, self.outcome, self.error_type = exc.status, "error", exc.type
+    def ended(self, exc: GatewayError | None, ended: Ended | None) -> None:
+        """How the request ended: answered with `exc`, else as `ended` says, else as its
+        forwarder's attempts ended (`ok` when none failed, or none was made)."""
+        if exc is not None:
+            self.status, self.outcome, self.error_type = exc.status, "error", exc.type
+        elif ended is not None:
+            self.outcome, self.error_type = ended
+        elif self.sent.outcome != "ok":
+            self.outcome, self.error_type = self.sent.outcome, self.sent.error_type
 
     @property
     def queue_wait_s(self) -> float | None:
@@ -153,8 +176,6 @@ class Recorder:
             self._labels_of = snap.version
             m.models.limit = m.tenants.limit = snap.config.server.metrics.max_label_values
         status = rec.status or sent.status
-        if rec.outcome == "ok" and sent.outcome != "ok":
-            rec.outcome, rec.error_type = sent.outcome, sent.error_type
         if rec.outcome != "ok" and rec.error_type:
             m.errors.labels(rec.pool, rec.error_type).inc()
         pool, replica = rec.pool, sent.replica

@@ -3,7 +3,8 @@
 parse → identify → pick the pool → limit → route (hash + index match) → admit (queue, choose,
 dispatch) → forward (the pool's forwarder: fail over or run the P/D legs, relay) → `finish`
 (settle the limits, record metrics and the trace). Everything a request reads comes from the one
-`Snapshot` it took when it arrived; only this module and the recorder write its `Record`.
+`Snapshot` it took when it arrived. The steps return what they found and `handle`, `admit` and
+`finish` write it into the request's `Record`; its docstring names each field's one writer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from gateway.forwarding.pd import PD_KINDS, PdForwarder
 from gateway.limits.ratelimit import Rule, costs_for, rate_limited
 from gateway.limits.ratelimit import headers as ratelimit_headers
 from gateway.limits.tenants import Tenant, requested_priority
-from gateway.pipeline.record import Record, Recorder
+from gateway.pipeline.record import Ended, Record, Recorder
 from gateway.routing.router import Dispatched, PdDispatch, RouteInput, Routing
 from gateway.routing.sticky import Homes
 from gateway.runtime.snapshot import Snapshot, pick_pool
@@ -131,20 +132,24 @@ class Pipeline:
         async with slot as waited:
             rec.t_admitted = time.perf_counter_ns()
             self.recorder.queue_wait(pool.name, rec.priority, waited)
-            decision = snap.router.choose(pool, routing, self.lora)
+            offer = self.lora.offer(pool, routing.routed.model)  # managed LoRA: who may load it
+            decision = snap.router.choose(pool, routing, offer)
             rec.t_routed = time.perf_counter_ns()
             rec.routed(routing, decision)
             self.recorder.decision(pool, routing, decision)
             return await snap.router.dispatch_decision(pool, routing)
 
-    async def finish(self, snap: Snapshot, rec: Record, exc: GatewayError | None) -> None:
-        """Settle the limits and record the request, whatever happened to it.
+    async def finish(
+        self, snap: Snapshot, rec: Record, exc: GatewayError | None, ended: Ended | None = None
+    ) -> None:
+        """Settle the limits and record the request, whatever happened to it: how it ended is
+        `exc`'s (answered with that error), else `ended` (the endpoint's word: the client left,
+        the answer was cut short), else the forwarder's (`rec.sent`).
 
         Each token bucket is settled on the tokens used: it gets back at most what was charged,
         and nothing when the usage is unknown (a 200 without a usable `usage`).
         """
-        if exc is not None:
-            rec.failed(exc)
+        rec.ended(exc, ended)
         used = rec.tokens_used()
         if rec.charged and snap.limiter is not None and used is not None:
             for rule, charged in rec.charged:

@@ -5,7 +5,8 @@ the choice.
 The pipeline, the forwarders and every benchmark drive this one object; it decides, it does
 not send. What a decision depends on enters it as an input, never as an edit afterwards: the
 replica holding a `/v1/responses` follow-up's state (`RouteInput.home`, ranked first by the
-policy), the managed LoRA offer (`choose(..., offer)`, the adapters each replica may load), and a
+policy), the managed LoRA offer (`choose(..., offer)`: a `LoraOffer`, the adapters each replica
+may load for this request, made by gateway/forwarding/lora_placement.py), and a
 disaggregated pool's pair (the prefill replica by the pool's policy, the decode replica by
 `policies.pd_decode.rank_decode`: a `PdDecision`). A `Dispatch` counts the choice on its replica
 at once (in-flight load and the prompt's blocks in the index) and feeds the outcome back to the
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import orjson
 
@@ -85,11 +86,22 @@ def decision_header(routing: Routing) -> tuple[bytes, bytes]:
     return b"x-gateway-decision", orjson.dumps(routing.decision.explain())
 
 
-class Offer(Protocol):
-    """Managed LoRA placement's offer (gateway/forwarding/lora_placement.py): before a choice, the adapters
-    each replica of `pool` may load for a request of `model` (its views' `loadable`)."""
+_NO_ADAPTERS: frozenset[str] = frozenset()
 
-    def offer(self, pool: Pool, model: str) -> None: ...
+
+@dataclass(frozen=True, slots=True)
+class LoraOffer:
+    """Managed LoRA placement's offer for one request (gateway/forwarding/lora_placement.py's
+    `LoraPlacement.offer`): every adapter the pool's placement manages, and by replica name the
+    ones it may load there for this request (a replica not named may load none). An input of
+    `Router.choose`, which the policy reads as its views' `loadable`."""
+
+    managed: frozenset[str]
+    loadable: Mapping[str, frozenset[str]]
+
+    def apply(self, pool: Pool) -> None:
+        for r in pool.replicas:
+            r.lora.set_loadable(self.loadable.get(r.name, _NO_ADAPTERS), self.managed)
 
 
 @dataclass(slots=True)
@@ -214,15 +226,15 @@ class Router:
 
     # --- choose ----------------------------------------------------------------------------
     def choose(
-        self, pool: Pool, routing: Routing, offer: Offer | None = None, now: float | None = None
+        self, pool: Pool, routing: Routing, offer: LoraOffer | None = None, now: float | None = None
     ) -> Decision:
         """The policy's ranking of the pool's replicas as they are now (`offer`: managed LoRA
-        placement's, first); a disaggregated pool's pair (`PdDecision`, the decode set's
+        placement's, shown to the policy in the views); a disaggregated pool's pair (`PdDecision`, the decode set's
         routing in `routing.decode`). A decision with no replica is still returned (it is
         recorded); `dispatch_decision` refuses it."""
         if pool.pd is None:
             if offer is not None:
-                offer.offer(pool, routing.routed.model)
+                offer.apply(pool)
             return self._choose(pool, routing, now)
         return self._choose_pair(pool, routing, now)
 

@@ -187,8 +187,9 @@ def test_managed_offers_more_replicas_as_demand_grows_up_to_the_bound() -> None:
     placement = LoraPlacement(clock=lambda: 0.0)
 
     def offered() -> list[str]:
-        placement.offer(pool, "sql")
-        return [r.name for r in pool.replicas if "sql" in r.lora.loadable]
+        offer = placement.offer(pool, "sql")
+        assert offer is not None and offer.managed == {"sql"}
+        return [r.name for r in pool.replicas if "sql" in offer.loadable.get(r.name, ())]
 
     assert offered() == ["r0", "r1", "r2", "r3"]  # nowhere yet: anywhere
     placement.did_load(r1, "sql")
@@ -241,6 +242,9 @@ async def test_a_failed_managed_load_moves_to_the_next_placement() -> None:
             assert fleet.replicas[0].engine.counters.requests_received == 0
             placement = app.pipeline.lora
             assert (placement.loads, placement.load_failures) == (1, 1)
+            # the decision stays as the policy made it: the placement moved the request, and
+            # failover passes the failed load over, without editing the ranking
+            assert app.gateway.decisions()[-1]["ranked"][0] == replicas[0].name
             for _ in range(3):  # where it is loaded now
                 assert (await _complete(served.url, "sql"))[0] == 200
             assert fleet.replicas[1].engine.counters.requests_received == 4

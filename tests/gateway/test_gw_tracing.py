@@ -27,8 +27,7 @@ from pydantic import SecretStr, ValidationError
 from bench.harness import free_port
 from gateway import create_app, parse_config
 from gateway.errors import ERROR_TYPES
-from gateway.forwarding.failover import attempt_outcome
-from gateway.forwarding.relay import Retryable
+from gateway.forwarding.relay import Retryable, attempt_outcome
 from gateway.telemetry.trace import ROOT_SPAN, ROUTE_ATTRIBUTES, SPAN_KINDS, TYPES
 from gateway.telemetry.tracing import (
     ATTEMPT_ATTRIBUTES,
