@@ -46,6 +46,17 @@ class Ledger:
     role_sent: bool = False  # a chat stream's first chunk (the assistant role) was relayed
     unresumable: str | None = None  # why this answer cannot be continued exactly
     usage: dict[str, Any] | None = None
+    seen: list[dict[str, Any]] = field(default_factory=list)  # chunks noted, not yet read
+
+    def settle(self) -> Ledger:
+        """Read the chunks noted since the last call into the fields above: a stream's chunks are
+        only kept as it goes (one append each, on the hot path), and read when a resume, a drain
+        or a whole answer needs the ledger. Call before reading any field."""
+        if self.seen:
+            seen, self.seen = self.seen, []
+            for obj in seen:
+                self._take(obj)
+        return self
 
     @property
     def offset(self) -> int:
@@ -58,7 +69,10 @@ class Ledger:
         return self.prompt_ids is not None and not self.ids_lost
 
     def note(self, obj: dict[str, Any]) -> None:
-        """Take one event's data (a chunk) into the ledger."""
+        """Keep one event's data (a chunk) for `settle`."""
+        self.seen.append(obj)
+
+    def _take(self, obj: dict[str, Any]) -> None:
         if not self.template:
             for key in ("id", "created", "model", "object", "system_fingerprint"):
                 if key in obj:

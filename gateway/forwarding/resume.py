@@ -335,7 +335,7 @@ class StreamResume:
     def leave(self) -> None:
         """The replica drains: end its stream here, for the relay to resume it elsewhere, when
         it can be (else it finishes where it is, as before)."""
-        ledger, on, pool = self.ledger, self._on, self._pool
+        ledger, on, pool = self.ledger.settle(), self._on, self._pool
         if self._resp is None or on is None or pool is None or "drain" not in self.cfg.on:
             return
         if self.left <= 0:
@@ -380,7 +380,7 @@ class Resumer:
     ) -> GatewayError | None:  # fmt: skip
         """Continue the answer until it ends; the error to end the client's stream with when it
         cannot (None: it ended properly). `last_ns`: when the last chunk came (time_ns)."""
-        gw, pool, ledger = self.gw, out.pool, state.ledger
+        gw, pool, ledger = self.gw, out.pool, state.ledger.settle()
         pc = pool.config
         deadline = fwd.t_sent + int(pc.timeouts.total_s * 1e9)
         excluded = {failed}
@@ -614,6 +614,7 @@ def streamed_body(sent: dict[str, Any]) -> bytes:
 
 def whole_answer(ledger: Ledger) -> bytes:
     """The non-streamed answer the ledger holds, in the engine's shape."""
+    ledger.settle()
     text = "".join(ledger.text)
     out: dict[str, Any] = {k: v for k, v in ledger.template.items() if k != "object"}
     choice: dict[str, Any]

@@ -449,8 +449,9 @@ async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) 
     before their first byte; the index forgets the dead replica."""
     config = engine.fleet.gateway_config(mode="tokens")
     prompt = [{"role": "system", "content": doc("dying", 300)}, *HELLO]
-    # long enough that it is still being written when the client has read `kill_at` tokens: the
-    # tiny model on a free core wrote 512 tokens whole before a kill at 16 could land
+    # the client reads in a thread of its own: on the gateway's event loop its reads waited
+    # behind the relay, and the tiny model on a free core had written 512 (once 2,048) tokens
+    # whole before a kill at the 16th could land
     n, kill_at = 2048, 16
     body = chat(prompt, max_tokens=n, stream=True, ignore_eos=True, temperature=0,
                 return_token_ids=True, stream_options={"include_usage": True})  # fmt: skip
@@ -464,19 +465,21 @@ async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) 
         assert len(want_ids) == n and want_usage is not None
         chunks: list[bytes] = []
 
-        async def read() -> None:
+        def read() -> None:
             seen = 0
-            async with http.stream("POST", gw.url + "/v1/chat/completions", json=body,
-                                   headers={"x-gateway-explain": "1"}) as stream:  # fmt: skip
+            with httpx.Client(timeout=300) as client, client.stream(
+                "POST", gw.url + "/v1/chat/completions", json=body,
+                headers={"x-gateway-explain": "1"},
+            ) as stream:  # fmt: skip
                 assert decision(stream)["ranked"][0] == home  # its prefix is there
-                async for chunk in stream.aiter_bytes():
+                for chunk in stream.iter_bytes():
                     chunks.append(chunk)
                     seen += chunk.count(b'"token_ids":[')
                     if seen >= kill_at and engine.fleet.members[victim].alive():
                         assert seen < n, "the whole answer came in one read: nothing to resume"
                         engine.fleet.kill(victim)
 
-        await asyncio.wait_for(read(), 240)
+        await asyncio.wait_for(asyncio.to_thread(read), 240)
         text, ids, usage, errors = _answer(b"".join(chunks))
         assert errors == [] and not engine.fleet.members[victim].alive()
         assert ids == want_ids and text == want_text
