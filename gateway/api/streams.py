@@ -38,6 +38,17 @@ class InvalidEvent(Exception):
     """The replica sent an event the client could not read (the reason names no replica data)."""
 
 
+def load_event(data: memoryview | bytes) -> dict[str, Any]:
+    """One event's data as the JSON object it must be (InvalidEvent when it is not)."""
+    try:
+        obj = orjson.loads(data)  # validates UTF-8 too
+    except orjson.JSONDecodeError:
+        raise InvalidEvent("an event whose data is not UTF-8 JSON") from None
+    if not isinstance(obj, dict):
+        raise InvalidEvent("an event whose data is not a JSON object")
+    return obj
+
+
 class StreamTap:
     __slots__ = (
         "strip_usage",
@@ -243,12 +254,7 @@ class StreamTap:
         return self._json(joined)
 
     def _json(self, data: memoryview | bytes) -> int:
-        try:
-            obj = orjson.loads(data)  # validates UTF-8 too
-        except orjson.JSONDecodeError:
-            raise InvalidEvent("an event whose data is not UTF-8 JSON") from None
-        if not isinstance(obj, dict):
-            raise InvalidEvent("an event whose data is not a JSON object")
+        obj = load_event(data)
         usage = obj.get("usage")
         if isinstance(usage, dict):
             self.usage = usage

@@ -17,9 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from gateway.api.streams import InvalidEvent, StreamTap
+from gateway.api.streams import InvalidEvent, StreamTap, load_event
 
 _KEEP, _DROP = 0, 1  # streams' verdicts
 # `,"token_ids":[1,2]` or `,"prompt_token_ids":null` as an engine's compact JSON writes them (a
@@ -110,7 +108,11 @@ class Ledger:
                 piece = delta.get("content")
         else:
             piece = choice.get("text")
-        ids = choice.get("token_ids")
+        self.add(piece, choice.get("token_ids"), choice)
+
+    def add(self, piece: Any, ids: Any, choice: dict[str, Any]) -> None:
+        """One relayed chunk of choice 0: its content or text `piece`, its `ids`, its finish (the
+        engine's chunks, and a resume's continuation rewritten into them)."""
         if type(ids) is list:
             self.ids.extend(ids)
         elif piece:
@@ -142,12 +144,7 @@ class IdsTap(StreamTap):
         return out
 
     def _json(self, data: memoryview | bytes) -> int:
-        try:
-            obj = orjson.loads(data)  # validates UTF-8 too
-        except orjson.JSONDecodeError:
-            raise InvalidEvent("an event whose data is not UTF-8 JSON") from None
-        if not isinstance(obj, dict):
-            raise InvalidEvent("an event whose data is not a JSON object")
+        obj = load_event(data)
         usage = obj.get("usage")
         if isinstance(usage, dict):
             self.usage = usage

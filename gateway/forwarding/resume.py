@@ -235,20 +235,9 @@ class Reshaper:
         else:
             piece = choice.get("text")
         ids = choice.get("token_ids")
-        if isinstance(ids, list):
-            ledger.ids.extend(ids)
-            self.tokens += len(ids)
-        else:
-            if piece:
-                ledger.ids_lost = True
-            self.tokens += 1 if piece else 0
-        if isinstance(piece, str) and piece:
-            ledger.text.append(piece)
-            ledger.chunks += 1
+        ledger.add(piece, ids, choice)
+        self.tokens += len(ids) if isinstance(ids, list) else 1 if piece else 0
         reason = choice.get("finish_reason")
-        if reason is not None:
-            ledger.finish = reason
-            ledger.stop_reason = choice.get("stop_reason")
         shaped: dict[str, Any] = dict(ledger.template)
         if ledger.chat:
             shaped["object"] = "chat.completion.chunk"
