@@ -10,6 +10,7 @@ last ones kill a replica.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import httpx
@@ -449,10 +450,10 @@ async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) 
     before their first byte; the index forgets the dead replica."""
     config = engine.fleet.gateway_config(mode="tokens")
     prompt = [{"role": "system", "content": doc("dying", 300)}, *HELLO]
-    # the client reads in a thread of its own: on the gateway's event loop its reads waited
-    # behind the relay, and the tiny model on a free core had written 512 (once 2,048) tokens
-    # whole before a kill at the 16th could land
-    n, kill_at = 2048, 16
+    # the client reads in a thread of its own (on the gateway's event loop its reads waited
+    # behind the relay) and counts tokens, not chunks: a busy API server merges many tokens into
+    # one chunk, and 16 chunks once held all 2,048 tokens; killed at the first token read
+    n, kill_at = 2048, 1
     body = chat(prompt, max_tokens=n, stream=True, ignore_eos=True, temperature=0,
                 return_token_ids=True, stream_options={"include_usage": True})  # fmt: skip
     async with gateway(config) as (gw, app), httpx.AsyncClient(timeout=300) as http:
@@ -474,7 +475,7 @@ async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) 
                 assert decision(stream)["ranked"][0] == home  # its prefix is there
                 for chunk in stream.iter_bytes():
                     chunks.append(chunk)
-                    seen += chunk.count(b'"token_ids":[')
+                    seen += sum(len(m.split(b",")) for m in _TOKEN_IDS.findall(chunk))
                     if seen >= kill_at and engine.fleet.members[victim].alive():
                         assert seen < n, "the whole answer came in one read: nothing to resume"
                         engine.fleet.kill(victim)
@@ -492,6 +493,9 @@ async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) 
         for _ in range(3):  # at rest: the dead replica is skipped or failed over
             res = await through(http, gw.url, chat(prompt))
             assert res.status_code == 200 and decision(res)["ranked"][0] != home
+
+
+_TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9,]+)\]')  # a chunk's new ids (not the prompt's)
 
 
 def _holds(app: Any, messages: list[dict[str, Any]], name: str) -> int:
