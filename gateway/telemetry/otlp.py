@@ -131,7 +131,6 @@ class OtlpHttpSink:
         """The ExportTraceServiceRequest body for finished `traces`, as it would be sent."""
         blobs = []
         for trace in traces:
-            trace.build()
             blobs.append(self.encoder.encode(trace))
         return export_request(self._resource, self._scope, blobs)
 
@@ -162,7 +161,6 @@ class OtlpHttpSink:
         while queue:
             trace = queue.popleft()
             try:
-                trace.build()
                 blobs.append((trace.spans, encode(trace)))
             except Exception as exc:  # a bug: lose the trace, never the thread
                 self._taken += trace.spans

@@ -9,14 +9,25 @@ the same spans (tested). Attribute pairs that repeat are encoded once and cached
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice
+from types import MappingProxyType
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from gateway.telemetry.trace import ROOT_SPAN, SPAN_KINDS, RequestTrace
+from gateway.telemetry.trace import (
+    _ORDER,
+    ATTRIBUTES,
+    ROOT_SPAN,
+    SPAN_KINDS,
+    Child,
+    RequestTrace,
+    _getrandbits,
+    attempt_spans,
+    group_of,
+)
 
 __all__ = ["SpanEncoder", "encode_resource", "export_request"]
 
@@ -35,10 +46,15 @@ _FLAGS_REMOTE = b"\x85\x01" + struct.pack("<I", 0x300)  # ... | IS_REMOTE (the p
 _TAIL_OK = _STATUS_UNSET + _FLAGS_LOCAL  # an OK local span's last two fields
 _LEN_SPAN = [b"\x12" + _VARINT[n] for n in range(1024)]  # spans (2): tag and length, by length
 _KIND = {"INTERNAL": b"\x30\x01", "SERVER": b"\x30\x02", "CLIENT": b"\x30\x03"}  # kind (6)
+_TTFT, _TPOT, _OUTPUT = ATTRIBUTES["ttft_s"], ATTRIBUTES["tpot_s"], ATTRIBUTES["output_tokens"]
+_STATUS, _ERROR_TYPE = ATTRIBUTES["status_code"], ATTRIBUTES["error_type"]
+_OUTCOME = ATTRIBUTES["outcome"]
+_DERIVED = (_TTFT, _TPOT, _ERROR_TYPE)  # root names build() may add after the given ones
+_ATTEMPT_READS = (ATTRIBUTES["method"], ATTRIBUTES["url_path"], _OUTCOME)  # attempt_spans' reads
 
 
 def _varint(n: int) -> bytes:
-    if n < 1 << 14:
+    if 0 <= n < 1 << 14:  # (a negative int indexed from the table's end: 16383 for -1)
         return _VARINT[n]
     n &= (1 << 64) - 1  # int64: two's complement, ten bytes when negative
     out = bytearray()
@@ -116,6 +132,15 @@ class SpanEncoder:
         # read-only mapping, roots their repeating group); the mapping is kept, so its id is not
         # reused meanwhile
         self._blocks: dict[int, tuple[Mapping[str, Any], bytes]] = {}
+        # (id of a repeating set, Host, User-Agent) → (the set, kept; its group; the group's
+        # block; whether the one pass takes it)
+        self._groups: dict[
+            tuple[int, bytes | None, bytes | None],
+            tuple[Mapping[str, Any], Mapping[str, Any], bytes, bool, bool],
+        ] = {}
+        self._ints: dict[str, list[bytes]] = {}  # int attributes' KeyValue heads (_int_prefixes)
+        self._ttft_kv = _key_value(0x4A, _TTFT, 0.0)[:-8]  # then the double's 8 bytes
+        self._tpot_kv = _key_value(0x4A, _TPOT, 0.0)[:-8]
         # name (5) and kind (6) of each span shape
         self._root_name = _field(0x2A, ROOT_SPAN.encode()) + _KIND["SERVER"]
         self._child_name = {
@@ -123,6 +148,156 @@ class SpanEncoder:
         }
 
     def encode(self, rt: RequestTrace) -> bytes:
+        """A finished trace's spans: in one pass from what `finish` was given when it has the
+        request path's shape (a shared repeating set, then the measured names), else built
+        (`rt.build()`) and encoded. Either way the same bytes for the same span ids."""
+        given = rt.given
+        if given is not None and not rt.attributes and self.max_value_len is None:
+            named = given[3]
+            got = named() if callable(named) else named
+            if type(got) is tuple and type(got[0]) is MappingProxyType:
+                out = self._one_pass(rt, given[0], given[1], given[2], got, given[4])
+                if out is not None:
+                    return out
+        rt.build()
+        return self.built(rt)
+
+    def _one_pass(
+        self,
+        rt: RequestTrace,
+        segs: tuple[tuple[int, int] | None, ...],
+        attempts: Sequence[Any],
+        end_ns: int,
+        got: tuple[Mapping[str, Any], ...],
+        error_type: str | None,
+    ) -> bytes | None:
+        """`RequestTrace.build` and `built` in one: no child tuples (but attempts'), no root
+        mapping; None (nothing drawn yet) for what only the two passes encode exactly."""
+        repeat, measured = got[0], got[1]
+        key = (id(repeat), rt.host, rt.agent)
+        hit = self._groups.get(key)
+        if hit is None or hit[0] is not repeat:
+            hit = self._group(key, repeat, rt.host, rt.agent)
+        _, group, gblock, plain, whole = hit
+        if (
+            not plain  # the group has a name build() would add or move
+            or len(group) + len(measured) + 3 > self.max_attributes
+            or _TTFT in measured
+            or _TPOT in measured
+            or _ERROR_TYPE in measured
+            or not group.keys().isdisjoint(measured)
+        ):
+            return None
+        route_attrs = got[2] if len(got) == 3 else None
+        head = b"\x0a\x10" + rt.tid.to_bytes(16, "big")  # trace_id (1)
+        ts = rt.trace_state
+        state = _field(0x1A, ts.to_header().encode()) if ts else b""  # trace_state (3)
+        root_id = rt.sid.to_bytes(8, "big")
+        pre = head + b"\x12\x08"  # then span_id (2)
+        mid = state + b"\x22\x08" + root_id  # parent_span_id (4)
+        base = len(pre) + 8 + len(mid) + 18  # span id, and the two times: 18 bytes
+        out: list[bytes] = []
+        add = out.extend
+        names = self._child_name
+        start = prev = rt.start_ns
+        for name, seg in zip(_ORDER, segs):  # noqa: B905 - both have six
+            if seg is None:
+                continue
+            s = seg[0] if seg[0] > prev else prev
+            prev = seg[1] if seg[1] > s else s
+            kind = names[name]
+            block = self.attributes(route_attrs) if route_attrs and name == "gateway.route" else b""
+            n = base + len(kind) + len(block) + len(_TAIL_OK)
+            add((_LEN_SPAN[n] if n < 1024 else b"\x12" + _varint(n), pre, (_getrandbits(64) or 1).to_bytes(8, "big"), mid, kind,
+                 _TIMES(0x39, s, 0x41, prev), block, _TAIL_OK))  # fmt: skip
+        # the root's attributes, in build()'s order: the group, the measured, then the derived
+        attrs = [gblock]
+        ints, more = self._ints, attrs.append
+        for item in measured.items():
+            value = item[1]
+            if type(value) is int:
+                vb = _VARINT[value] if 0 <= value < 16384 else _varint(value)
+                kv = ints.get(item[0]) or self._int_prefixes(item[0])
+                more(kv[len(vb)])
+                more(vb)
+            else:
+                more(self._pair(item))
+        prefill, decode = segs[3] or segs[2], segs[4]  # P/D: the first token ends kv.transfer
+        if prefill is not None:
+            more(self._ttft_kv)
+            more(_DOUBLE((max(prefill[1], start) - start) / 1e9))
+        if decode is not None:
+            tokens = measured.get(_OUTPUT, group.get(_OUTPUT))
+            if isinstance(tokens, int) and tokens > 1:
+                more(self._tpot_kv)
+                more(_DOUBLE(max(decode[1] - decode[0], 0) / 1e9 / (tokens - 1)))
+        end = max(end_ns, prev)
+        if attempts:
+            children: list[Child] = []
+            reads = group if whole else {**group, **measured}  # what build()'s root has of them
+            attempt_spans(children, attempts, reads, rt.offset_ns, start, prev, end)
+            for name, span_id, s, e, a, error in children:
+                kind = names[name]
+                block = self._block(a) if a else b""
+                tail = _TAIL_OK if error is None else _status_error(error) + _FLAGS_LOCAL
+                n = base + len(kind) + len(block) + len(tail)
+                add((_LEN_SPAN[n] if n < 1024 else b"\x12" + _varint(n), pre,
+                     span_id.to_bytes(8, "big"), mid, kind, _TIMES(0x39, s, 0x41, e), block, tail))  # fmt: skip
+        status = measured.get(_STATUS, group.get(_STATUS))
+        root_status = _STATUS_UNSET
+        if error_type is None and isinstance(status, int) and status >= 500:
+            error_type = str(status)  # HTTP semantic conventions: a 5xx fails a server span
+        if error_type is not None:
+            more(self._pair((_ERROR_TYPE, error_type)))
+            # ... and a 4xx answered leaves a server span's status unset (the client's error)
+            if not (isinstance(status, int) and 400 <= status < 500):
+                root_status = _status_error(error_type)
+        parent = rt.parent
+        root = (
+            pre,
+            root_id,
+            state,
+            b"\x22\x08" + parent.span_id.to_bytes(8, "big") if parent is not None else b"",
+            self._root_name,
+            _TIMES(0x39, start, 0x41, end),
+            *attrs,
+            root_status,
+            _FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL,
+        )
+        n = sum(map(len, root))
+        out.append(_LEN_SPAN[n] if n < 1024 else b"\x12" + _varint(n))
+        out.extend(root)
+        return b"".join(out)
+
+    def _group(
+        self,
+        key: tuple[int, bytes | None, bytes | None],
+        repeat: Mapping[str, Any],
+        host: bytes | None,
+        agent: bytes | None,
+    ) -> tuple[Mapping[str, Any], Mapping[str, Any], bytes, bool, bool]:
+        """A repeating set with the request's Host names (trace.group_of), its encoded block,
+        whether the one pass can take it (build() adds or moves none of its names) and whether
+        it holds all an attempt span reads of the root."""
+        group = group_of(repeat, host, agent)
+        plain = _OUTCOME in group and not any(n in group for n in _DERIVED)
+        whole = all(n in group for n in _ATTEMPT_READS)
+        if len(self._groups) >= _CACHE_MAX:
+            self._groups.clear()
+        hit = self._groups[key] = (repeat, group, self.attributes(group), plain, whole)
+        return hit
+
+    def _int_prefixes(self, name: str) -> list[bytes]:
+        """An int attribute's KeyValue bytes up to its value's varint, by the varint's length."""
+        got = [b""] + [_key_value(0x4A, name, 1 << 7 * (n - 1) if n < 10 else -1)[:-n]
+                       for n in range(1, 11)]  # fmt: skip
+        if len(self._ints) >= _CACHE_MAX:
+            self._ints.clear()
+        self._ints[name] = got
+        return got
+
+    def built(self, rt: RequestTrace) -> bytes:
+        """A built trace's spans (`rt.build()` was called): children first, root last."""
         head = b"\x0a\x10" + rt.tid.to_bytes(16, "big")  # trace_id (1)
         ts = rt.trace_state
         state = _field(0x1A, ts.to_header().encode()) if ts else b""  # trace_state (3)
@@ -183,24 +358,27 @@ class SpanEncoder:
         elif group is not None:
             parts.append(self._block(group))
             items = islice(items, len(group), None)
-        cache, max_len = self._cache, self.max_value_len
-        for item in items:
-            # (name, value) is the key; the value's type is checked as 1 == 1.0 == True
-            try:
-                hit = cache.get(item)
-            except TypeError:  # an unhashable value (a list)
-                hit = None
-            if hit is not None and hit[0] is type(item[1]):
-                parts.append(hit[1])
-                continue
-            name, value = item
-            kv = _key_value(0x4A, name, value, max_len)
-            kind = type(value)
-            if kind is str or kind is int or (kind is tuple and all(type(v) is str for v in value)):
-                if len(cache) >= _CACHE_MAX:
-                    cache.clear()
-                cache[item] = (kind, kv)
-            parts.append(kv)
+        parts.extend(map(self._pair, items))
         if dropped > 0:
             parts.append(b"\x50" + _varint(dropped))
         return b"".join(parts)
+
+    def _pair(self, item: tuple[str, Any]) -> bytes:
+        """One attribute's KeyValue as a Span.attributes (9) field; strings', ints' and string
+        tuples' kept."""
+        # (name, value) is the key; the value's type is checked as 1 == 1.0 == True
+        cache = self._cache
+        try:
+            hit = cache.get(item)
+        except TypeError:  # an unhashable value (a list)
+            hit = None
+        if hit is not None and hit[0] is type(item[1]):
+            return hit[1]
+        name, value = item
+        kv = _key_value(0x4A, name, value, self.max_value_len)
+        kind = type(value)
+        if kind is str or kind is int or (kind is tuple and all(type(v) is str for v in value)):
+            if len(cache) >= _CACHE_MAX:
+                cache.clear()
+            cache[item] = (kind, kv)
+        return kv

@@ -34,6 +34,7 @@ __all__ = [
     "RequestTrace",
     "SpanSink",
     "attempt_spans",
+    "group_of",
     "http_server",
 ]
 
@@ -372,6 +373,17 @@ class RequestTrace:
         ts = self.trace_state
         return ts.to_header() if ts else None
 
+    @property
+    def given(self) -> _Given | None:
+        """What `finish` was given (segments, attempts, end_ns, named, error_type) until `build`
+        turns it into spans; an encoder may read it in one pass instead (otlp_wire)."""
+        return self._given
+
+    @property
+    def offset_ns(self) -> int:
+        """epoch ns - perf_counter_ns, taken when the trace started."""
+        return self._offset
+
     def epoch_ns(self, perf_counter_ns: int) -> int:
         """A `time.perf_counter_ns()` reading as epoch ns, on the clock offset taken at start."""
         return perf_counter_ns + self._offset
@@ -443,11 +455,7 @@ class RequestTrace:
             repeat, measured = got, None
         if not values and measured is not None and type(repeat) is MappingProxyType:
             # a shared (read-only) repeating set: with the Host's names, one mapping, kept
-            key = (id(repeat), self.host, self.agent)
-            hit = _groups.get(key)
-            if hit is None or hit[0] is not repeat:
-                hit = _group(key, repeat)
-            self.group = group = hit[1]
+            self.group = group = group_of(repeat, self.host, self.agent)
             values.update(group)
         else:
             values.update(repeat)
@@ -495,10 +503,21 @@ _groups: dict[tuple[int, bytes | None, bytes | None], tuple[Mapping[str, Any], M
 _groups = {}
 
 
+def group_of(
+    repeat: Mapping[str, Any], host: bytes | None, agent: bytes | None
+) -> Mapping[str, Any]:
+    """A shared repeating set (`finish(named=...)`'s first) with the request's Host and
+    User-Agent names: one mapping per (set, Host, User-Agent), kept, never changed."""
+    key = (id(repeat), host, agent)
+    hit = _groups.get(key)
+    if hit is None or hit[0] is not repeat:
+        hit = _group(key, repeat)
+    return hit[1]
+
+
 def _group(
     key: tuple[int, bytes | None, bytes | None], repeat: Mapping[str, Any]
 ) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-    """A repeating set with the request's Host and User-Agent names, as one read-only mapping."""
     values = dict(repeat)
     http_server(values, key[1], key[2])
     if len(_groups) >= _GROUPS_MAX:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import re
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import MappingProxyType
 from typing import Any
 
 import httpx
@@ -144,6 +146,100 @@ def a_full_trace(tracing: Tracing, incoming: bool, attempts: bool = False) -> Re
     return rt
 
 
+def ours_and_theirs(
+    tracing: Tracing, sink: OtlpHttpSink, rt: RequestTrace
+) -> tuple[ExportTraceServiceRequest, ExportTraceServiceRequest]:
+    """What the sink sends for `rt`, and what the SDK's exporter sends for the spans `rt.build()`
+    makes, both drawing the child span ids from the same random state."""
+    state = random.getstate()
+    ours = ExportTraceServiceRequest.FromString(sink.request([rt]))
+    random.setstate(state)
+    rt.build()  # nothing when the sink built it
+    sdk = SdkSpans(SimpleSpanProcessor(InMemorySpanExporter()), tracing.resource, tracing.scope)
+    return ours, encode_spans(sdk.spans(rt))
+
+
+# the request path's shapes (record.py): the repeating set, the measured names, a route receipt
+SAME = {
+    "gen_ai.request.model": "m", "gateway.tenant": "t", "gateway.pool": "chat",
+    "gateway.retries": 0, "gateway.outcome": "ok", "http.request.method": "POST",
+    "url.scheme": "http", "url.path": "/v1/chat/completions", "http.route": "/v1/chat/completions",
+    "gateway.replica": "r2", "http.response.status_code": 200,
+}  # fmt: skip
+MEASURED = {
+    "gateway.prompt_tokens.estimated": 513, "gateway.prefix.prompt_blocks": 3,
+    "gateway.prefix.predicted_cached_blocks": 0, "gateway.route.hash_us": 16_385,
+    "gen_ai.usage.output_tokens": 40,
+}  # fmt: skip
+ROUTE = {"gateway.route.predicted_cached_tokens": 256, "gateway.route.receipt": "hit"}
+SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None, str]] = {
+    "non-streamed": ({}, {}, None, "generate"),
+    "streamed, receipt, Host": ({}, {"gateway.route.cached_tokens": 0}, ROUTE, "stream"),
+    "P/D": ({}, {"gateway.prompt_tokens.estimated": -1}, None, "pd"),
+    "failover then 503": (
+        {"http.response.status_code": 503, "gateway.outcome": "error", "gateway.retries": 2},
+        {"gen_ai.usage.output_tokens": 2**40},
+        None,
+        "attempts",
+    ),
+    "a 429, no path": (
+        {"http.response.status_code": 429, "url.path": None, "http.route": None},
+        {"gateway.prefix.prompt_blocks": 1.5},
+        None,
+        "attempts",
+    ),
+    "incoming traceparent": ({}, {}, ROUTE, "incoming"),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_pass_encodes_what_built_spans_encode_to(shape: str) -> None:
+    """The sink encodes the request path's traces without building them first: the same bytes
+    as the SDK's exporter sends for the built spans, whatever segments, attempts and status."""
+    same_over, measured_over, route, kind = SHAPES[shape]
+    same = {k: v for k, v in {**SAME, **same_over}.items() if v is not None}
+    measured = {**MEASURED, **measured_over}
+    tracing = Tracing(otlp("http://127.0.0.1:9"), environ={})
+    sink = tracing.sink
+    assert isinstance(sink, OtlpHttpSink)
+    captured: list[RequestTrace] = []
+    sink.end = captured.append  # type: ignore[method-assign]
+    headers = {b"host": b"gw.example:8443", b"user-agent": b"test/1"} if route else {}
+    if kind == "incoming":
+        headers |= {b"traceparent": INCOMING.encode(), b"tracestate": b"vendor=abc"}
+    t0 = time.time_ns()
+    rt = tracing.start(headers, t0)
+    assert rt is not None and rt.sampled
+    p0 = t0 - rt.epoch_ns(0)
+    segs: dict[str, Any] = {"route": (t0 + MS, t0 + 2 * MS), "queue": (t0 + 2 * MS, t0 + 3 * MS)}
+    if kind in ("stream", "incoming"):
+        segs |= {"prefill": (t0 + 4 * MS, t0 + 9 * MS), "decode": (t0 + 8 * MS, t0 + 30 * MS)}
+    elif kind == "pd":
+        segs |= {"prefill": (t0 + 4 * MS, t0 + 9 * MS), "transfer": (t0 + 9 * MS, t0 + 11 * MS),
+                 "decode": (t0 + 11 * MS, t0 + 30 * MS)}  # fmt: skip
+    else:
+        segs["generate"] = (t0 + 4 * MS, t0 + 30 * MS)
+    attempts = [("r2", "http://10.0.0.3:8000", p0 + 3 * MS, 0, 200, None)]
+    if kind == "attempts":
+        attempts = [
+            ("r0", "http://10.0.0.1:8000", p0 + 3 * MS, p0 + 4 * MS, 0, "connect_error"),
+            ("r1", "https://user:pw@10.0.0.2", p0 + 4 * MS, p0 + 5 * MS, 503, "status_503"),
+            ("r2", "http://10.0.0.3:8000", p0 + 5 * MS, 0, same["http.response.status_code"], None),
+        ]
+    shared = MappingProxyType(same)
+    rt.finish(
+        **segs,
+        attempts=attempts,
+        end_ns=t0 + 31 * MS,
+        named=lambda: (shared, measured, route) if route else (shared, measured),
+    )
+    assert rt.given is not None
+    ours, theirs = ours_and_theirs(tracing, sink, rt)
+    assert ours == theirs
+    assert len(ours.resource_spans[0].scope_spans[0].spans) == rt.spans
+    sink.shutdown()
+
+
 @pytest.mark.parametrize(("incoming", "attempts"), [(False, False), (True, False), (True, True)])
 def test_the_encoding_decodes_to_what_the_sdk_exporter_sends(
     incoming: bool, attempts: bool
@@ -163,9 +259,7 @@ def test_the_encoding_decodes_to_what_the_sdk_exporter_sends(
     tracing.sink = Keep()
     a_full_trace(tracing, incoming, attempts)
     (rt,) = captured
-    ours = ExportTraceServiceRequest.FromString(real.request([rt]))
-    sdk = SdkSpans(SimpleSpanProcessor(InMemorySpanExporter()), tracing.resource, tracing.scope)
-    theirs = encode_spans(sdk.spans(rt))
+    ours, theirs = ours_and_theirs(tracing, real, rt)
     assert ours == theirs
     spans = {s.name: s for s in ours.resource_spans[0].scope_spans[0].spans}
     root = spans["gateway.request"]
@@ -361,10 +455,10 @@ async def test_the_gateways_own_traces_encode_as_the_sdk_would_with_the_caches_w
         await gw.stop()
         await served.stop()
     assert len(captured) == 4
-    sdk = SdkSpans(SimpleSpanProcessor(InMemorySpanExporter()), tracing.resource, tracing.scope)
     for rt in captured:
-        ours = ExportTraceServiceRequest.FromString(sink.request([rt]))
-        assert ours == encode_spans(sdk.spans(rt))
+        assert rt.given is not None  # finished, not built: the sink encodes it in one pass
+        ours, theirs = ours_and_theirs(tracing, sink, rt)
+        assert ours == theirs
     first, second, third, other = captured
     assert first.group is not None and second.group is first.group is third.group
     assert other.group is not None and other.group is not first.group
