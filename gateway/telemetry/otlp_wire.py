@@ -9,7 +9,8 @@ the same spans (tested). Attribute pairs that repeat are encoded once and cached
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from itertools import islice
 from types import MappingProxyType
 from typing import Any
@@ -112,6 +113,13 @@ def export_request(resource: bytes, scope: bytes, spans: Iterable[bytes]) -> byt
     return b"".join(parts)
 
 
+def _segment_tail(kind: bytes) -> tuple[int, Callable[[int, int, int, bytes], bytes]]:
+    """name (5) and kind (6) `kind`, the times (7, 8), an OK status and flags, in one pack:
+    (length less the times, pack(start, 0x41, end, _TAIL_OK))."""
+    pack = struct.Struct(f"<{len(kind)}sBQBQ{len(_TAIL_OK)}s").pack
+    return len(kind) + len(_TAIL_OK), partial(pack, kind, 0x39)
+
+
 def _status_error(description: str) -> bytes:
     """status (15): Status {message 2, code 3 = ERROR}."""
     return _field(0x7A, _field(0x12, description.encode()) + b"\x18\x02")
@@ -146,6 +154,9 @@ class SpanEncoder:
         self._child_name = {
             n: _field(0x2A, n.encode()) + _KIND[k] for n, k in SPAN_KINDS.items() if n != ROOT_SPAN
         }
+        # a segment span without attributes: its length past `base`, and its bytes from name (5)
+        # to flags (16) given its times
+        self._segment = {n: _segment_tail(k) for n, k in self._child_name.items()}
 
     def encode(self, rt: RequestTrace) -> bytes:
         """A finished trace's spans: in one pass from what `finish` was given when it has the
@@ -200,16 +211,23 @@ class SpanEncoder:
         add = out.extend
         names = self._child_name
         start = prev = rt.start_ns
+        shapes = self._segment
         for name, seg in zip(_ORDER, segs):  # noqa: B905 - both have six
             if seg is None:
                 continue
             s = seg[0] if seg[0] > prev else prev
             prev = seg[1] if seg[1] > s else s
-            kind = names[name]
-            block = self.attributes(route_attrs) if route_attrs and name == "gateway.route" else b""
-            n = base + len(kind) + len(block) + len(_TAIL_OK)
-            add((_LEN_SPAN[n] if n < 1024 else b"\x12" + _varint(n), pre, (_getrandbits(64) or 1).to_bytes(8, "big"), mid, kind,
-                 _TIMES(0x39, s, 0x41, prev), block, _TAIL_OK))  # fmt: skip
+            sid = (_getrandbits(64) or 1).to_bytes(8, "big")
+            if route_attrs and name == "gateway.route":  # the route receipt's attributes
+                kind, block = names[name], self.attributes(route_attrs)
+                n = base + len(kind) + len(block) + len(_TAIL_OK)
+                add((b"\x12" + _varint(n), pre, sid, mid, kind, _TIMES(0x39, s, 0x41, prev),
+                     block, _TAIL_OK))  # fmt: skip
+                continue
+            length, rest = shapes[name]  # the span's length less base; kind, times and status
+            n = base + length
+            add((_LEN_SPAN[n] if n < 1024 else b"\x12" + _varint(n), pre, sid, mid,
+                 rest(s, 0x41, prev, _TAIL_OK)))  # fmt: skip
         # the root's attributes, in build()'s order: the group, the measured, then the derived
         attrs = [gblock]
         ints, more = self._ints, attrs.append
