@@ -1,9 +1,12 @@
 """OTLP/protobuf for the gateway's fixed span shape, written straight to bytes.
 
 The few protobuf pieces the span shape needs (varints, length-delimited fields, fixed 64-bit
-times), the resource and scope encoded once, and `SpanEncoder`, which turns a built
-`RequestTrace` into its spans' bytes. The bytes decode to what the SDK's OTLP exporter sends for
-the same spans (tested). Attribute pairs that repeat are encoded once and cached.
+times), the resource and scope encoded once, and `SpanEncoder`, which turns a finished
+`RequestTrace` into its spans' bytes: in one pass from what the request handed over (no child
+span tuples, no root attribute mapping) for the request path's traces, built first for others.
+The bytes decode to what the SDK's OTLP exporter sends for the same spans (tested, both ways).
+What repeats is encoded once and cached: attribute blocks, (name, value) pairs, each int
+attribute's bytes up to its value.
 """
 
 from __future__ import annotations

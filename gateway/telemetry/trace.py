@@ -7,7 +7,8 @@ The HTTP semantic-convention attributes (the stable HTTP span conventions): the 
 span gets server.address / server.port from the Host header and
 user_agent.original; each upstream attempt becomes an `upstream.attempt` CLIENT span with the
 replica, server.address / server.port, url.full (no credentials), the method, the status, the
-resend count and error.type. It all runs when the spans are built, off the event loop for OTLP.
+resend count and error.type. It all runs when the spans are built (or encoded in one pass), off
+the event loop for OTLP.
 """
 
 from __future__ import annotations
@@ -280,7 +281,8 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 class SpanSink(Protocol):
     """Where finished, sampled traces go: `end` runs on the event loop and must never block.
 
-    It calls `trace.build()` (now or later, on any one thread) before reading the spans.
+    It calls `trace.build()` (now or later, on any one thread) before reading the spans, or
+    reads `trace.given` in one pass as build() would (otlp_wire.SpanEncoder).
     """
 
     def end(self, trace: RequestTrace) -> None: ...
@@ -419,7 +421,8 @@ class RequestTrace:
         attribute name and without None values, or a function that returns them when the spans
         are built (the request path's form: nothing is named on the event loop); as a
         pair, the attributes that repeat from request to request (a read-only mapping: one per
-        set of values, shared), then the measured ones. A segment that starts before the
+        set of values, shared), then the measured ones (an encoder takes the two in one pass
+        when no name is in both). A segment that starts before the
         previous one ended is moved up to that end, so the segments never overlap;
         `gateway.ttft_s` (from `prefill` only: a non-streamed answer's first token is not seen)
         and `gateway.tpot_s` (from `decode`) are derived when not given. `attempts`
