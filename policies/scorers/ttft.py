@@ -190,7 +190,7 @@ class TTFTScorer(Scorer):
         load_s: float = 0.0,
         kv_s: float = 0.0,
         recompute: float = 0.0,
-        recompute_load: bool = True,
+        recompute_load: bool | str = True,
     ) -> None:
         if not prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s!r}")
@@ -203,6 +203,8 @@ class TTFTScorer(Scorer):
         for key, value in (("load_s", load_s), ("kv_s", kv_s), ("recompute", recompute)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"{key} must be a number >= 0, got {value!r}")
+        if recompute_load not in (True, False, "fleet"):
+            raise ValueError(f"recompute_load must be true, false or fleet: {recompute_load!r}")
         if tiers not in TIER_MODES:
             raise ValueError(f"tiers must be one of {TIER_MODES}, got {tiers!r}")
         if not kv_bytes_per_token > 0:
@@ -238,7 +240,7 @@ class TTFTScorer(Scorer):
         self._load = _LoadFit(float(load_s), float(prior_weight), float(decay))
         self.kv_s = float(kv_s)
         self.recompute = float(recompute)
-        self.recompute_load = bool(recompute_load)
+        self.recompute_load = recompute_load
 
     def coefficients(self, replica: str) -> tuple[float, float, float]:
         """(a seconds, b seconds per uncached token, c seconds per queued token) for a replica."""
@@ -283,6 +285,10 @@ class TTFTScorer(Scorer):
             holds = {v.name: v.hit_blocks + (sum(v.tier_hits.values()) if v.tier_hits and tiered
                                              else 0) for v in views}  # fmt: skip
             held = max(holds.values(), default=0)
+            # the factor the recompute is priced at: 1 (flat), 1 + the target's load (true), or
+            # the fleet's slack: the fewest requests ahead on any candidate ("fleet": free while
+            # some replica is idle, dearer the more the whole fleet is queued)
+            slack = min(v.load for v in views) if self.recompute_load == "fleet" else 0
         worst = None
         if kv_s:  # a replica whose KV use is unknown now (no fresh scrape) counts as the fullest
             known = [v.kv_usage for v in views if v.kv_usage is not None]
@@ -301,7 +307,8 @@ class TTFTScorer(Scorer):
                 redo = b * (min(prompt, held * tpb) - min(prompt, mine * tpb))
                 # once, and once more for each request it delays there (queued, or decoding
                 # through the steps the prefill takes)
-                t += rho * redo * (1 + v.load if self.recompute_load else 1)
+                by = self.recompute_load
+                t += rho * redo * (slack if by == "fleet" else 1 + v.load if by else 1)
             if v.tier_hits and self.tiers != "off":
                 measured = v.tier_load_rates
                 if measured is not None and seen.get(v.name) is not measured:

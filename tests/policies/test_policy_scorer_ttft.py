@@ -59,6 +59,20 @@ def test_ttft_prices_recomputing_what_another_replica_holds() -> None:
     assert busy.score(REQ, loaded)["b"] == pytest.approx(1.0 / 2.6)
 
 
+def test_ttft_prices_recompute_by_the_fleets_slack() -> None:
+    """`recompute_load: fleet`: the recompute costs the fleet nothing while some replica is
+    idle, and once for each request ahead on the least loaded candidate when none is."""
+    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1,
+                        recompute_load="fleet")  # fmt: skip
+    holder = ReplicaView("a", hit_blocks=10, inflight_prompt_tokens=900, inflight=4)  # 0.1 + 0.9
+    idle = ReplicaView("b", hit_blocks=5)  # 0.1 + 0.5, the 0.5 recomputed free: some is idle
+    assert scorer.score(REQ, [holder, idle]) == pytest.approx({"a": 0.6, "b": 1.0})
+    queued = ReplicaView("b", hit_blocks=5, inflight=2)  # 0.6 + 0.5 x 2 (the fewest ahead)
+    assert scorer.score(REQ, [holder, queued]) == pytest.approx({"a": 1.0, "b": 1.0 / 1.6})
+    with pytest.raises(ValueError, match="recompute_load"):
+        TTFTScorer(recompute_load="target")
+
+
 def test_ttft_prices_engine_load_and_kv_pressure_from_fresh_metrics_only() -> None:
     """Requests running or waiting on the engine (the scrape's, or the gateway's own in-flight
     count when higher or when the scrape is stale) cost `load_s` each; KV in use k costs
