@@ -286,9 +286,12 @@ class TTFTScorer(Scorer):
                                              else 0) for v in views}  # fmt: skip
             held = max(holds.values(), default=0)
             # the factor the recompute is priced at: 1 (flat), 1 + the target's load (true), or
-            # the fleet's slack: the fewest requests ahead on any candidate ("fleet": free while
-            # some replica is idle, dearer the more the whole fleet is queued)
-            slack = min(v.load for v in views) if self.recompute_load == "fleet" else 0
+            # ("fleet") 0 while some candidate is idle (the recompute runs on spare capacity),
+            # else every request in the fleet: with no replica idle the fleet is one saturated
+            # server, and the prefill it redoes delays each request it holds
+            fleet = 0
+            if self.recompute_load == "fleet" and all(v.load for v in views):
+                fleet = sum(v.load for v in views)
         worst = None
         if kv_s:  # a replica whose KV use is unknown now (no fresh scrape) counts as the fullest
             known = [v.kv_usage for v in views if v.kv_usage is not None]
@@ -308,7 +311,7 @@ class TTFTScorer(Scorer):
                 # once, and once more for each request it delays there (queued, or decoding
                 # through the steps the prefill takes)
                 by = self.recompute_load
-                t += rho * redo * (slack if by == "fleet" else 1 + v.load if by else 1)
+                t += rho * redo * (fleet if by == "fleet" else 1 + v.load if by else 1)
             if v.tier_hits and self.tiers != "off":
                 measured = v.tier_load_rates
                 if measured is not None and seen.get(v.name) is not measured:
