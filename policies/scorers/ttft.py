@@ -5,7 +5,8 @@
     ttft     = a + b * uncached + c * queued (+ hold_s * kv_waits, below)           (seconds)
                (opt-in: + d * load + kv_s * k / (1 - k))
     cost     = ttft (opt-in: + recompute * b * (prefix tokens another candidate holds, this one
-               does not) * (1 + load), the last factor with recompute_load)
+               does not) * (1 + load), the last factor with recompute_load: true; with
+               recompute_load: fleet * (0 while a candidate is idle, else the fleet's sum of load))
     score    = min_cost / cost               (1.0 for the cheapest candidate)
 
 The opt-in terms (`load_s`, `kv_s`, `recompute`, all 0 by default; issue 43 item 2) did not beat
@@ -18,7 +19,9 @@ pool from the fit's residuals, pulled toward `load_s` (0: off). `k` is the engin
 a fresh scrape; a replica without one is priced as the fullest known (unknown is not idle).
 `recompute` prices the prefill the fleet redoes when a request leaves the replica holding most
 of its prefix (issue 43: the latency-only score kept fewer prefixes than sglang-router by
-recomputing what a loaded replica held); `predict` is the TTFT alone.
+recomputing what a loaded replica held); `predict` is the TTFT alone. Alone (`recompute: 1`)
+it raised the engines' hit ratio under overload with TTFT no worse, short of sglang-router's
+hit ratio (docs/benchmarks.md), so it stays opt-in.
 
 a, b, c are fitted per replica from Outcomes by exponentially weighted ridge least squares,
 pulled toward the prior a = base_s, b = 1 / prefill_tokens_per_s and c = b: a queued token is
