@@ -19,9 +19,10 @@ pool from the fit's residuals, pulled toward `load_s` (0: off). `k` is the engin
 a fresh scrape; a replica without one is priced as the fullest known (unknown is not idle).
 `recompute` prices the prefill the fleet redoes when a request leaves the replica holding most
 of its prefix (issue 43: the latency-only score kept fewer prefixes than sglang-router by
-recomputing what a loaded replica held); `predict` is the TTFT alone. Alone (`recompute: 1`)
-it raised the engines' hit ratio under overload with TTFT no worse, short of sglang-router's
-hit ratio (docs/benchmarks.md), so it stays opt-in.
+recomputing what a loaded replica held); `predict` is the TTFT alone. With `recompute_load:
+fleet` it kept sglang-router's hit ratio on real vLLM under overload but cost TTFT on the
+prefill-heavy trace; alone (target form) it closed most of the hit gap with TTFT mixed
+(docs/benchmarks.md), so it stays opt-in.
 
 a, b, c are fitted per replica from Outcomes by exponentially weighted ridge least squares,
 pulled toward the prior a = base_s, b = 1 / prefill_tokens_per_s and c = b: a queued token is
