@@ -14,7 +14,7 @@
   shipped with the TTFT score's opt-in terms on (`load_s`, `kv_s`, `recompute`);
   `gateway-recompute`, `gateway-recompute-fleet`: with only `recompute` on, priced by the
   target's load or by the fleet's (`recompute_load: fleet`: once, and once more for each
-  request in flight anywhere in the fleet).
+  request in flight per replica of the fleet).
 
 Both peers install from PyPI into the engine's venv (`scripts/engine-requirements.txt`).
 """
@@ -45,8 +45,8 @@ TERMS = "gateway-terms"
 TTFT_TERMS = {"scorers": {"ttft": {"weight": 1, "load_s": 0.01, "kv_s": 0.05, "recompute": 1.0}},
               "picker": "max_score", "guard": False}  # fmt: skip
 # the default policy with only the fleet's recompute priced (`recompute: 1`): per request ahead
-# on the replica that would redo it (`gateway-recompute`), or for each request in flight anywhere
-# in the fleet (`gateway-recompute-fleet`); named with --routers
+# on the replica that would redo it (`gateway-recompute`), or for each request in flight per
+# replica of the fleet (`gateway-recompute-fleet`); named with --routers
 VARIANTS = {
     TERMS: TTFT_TERMS,
     "gateway-recompute": {"scorers": {"ttft": {"weight": 1, "recompute": 1.0}},

@@ -6,7 +6,7 @@
                (opt-in: + d * load + kv_s * k / (1 - k))
     cost     = ttft (opt-in: + recompute * b * (prefix tokens another candidate holds, this one
                does not) * (1 + load), the last factor with recompute_load: true; with
-               recompute_load: fleet * (1 + the requests in flight in the whole fleet))
+               recompute_load: fleet * (1 + the candidates' mean load))
     score    = min_cost / cost               (1.0 for the cheapest candidate)
 
 The opt-in terms (`load_s`, `kv_s`, `recompute`, all 0 by default; issue 43 item 2) did not beat
@@ -290,9 +290,11 @@ class TTFTScorer(Scorer):
                                              else 0) for v in views}  # fmt: skip
             held = max(holds.values(), default=0)
             # the factor the recompute is priced at: 1 (flat), 1 + the target's load (true), or
-            # 1 + every request in flight in the fleet ("fleet": the capacity it takes is the
-            # fleet's, and the requests it holds are the ones its prefill delays)
-            fleet = 1 + sum(v.load for v in views) if self.recompute_load == "fleet" else 0
+            # ("fleet") 1 + the mean load of the candidates: a saturated fleet of n replicas is
+            # one server, and the prefill it redoes delays each request it holds by 1/n of it
+            fleet = 0.0
+            if self.recompute_load == "fleet" and views:
+                fleet = 1 + sum(v.load for v in views) / len(views)
         worst = None
         if kv_s:  # a replica whose KV use is unknown now (no fresh scrape) counts as the fullest
             known = [v.kv_usage for v in views if v.kv_usage is not None]

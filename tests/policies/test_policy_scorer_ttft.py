@@ -61,14 +61,14 @@ def test_ttft_prices_recomputing_what_another_replica_holds() -> None:
 
 def test_ttft_prices_recompute_by_the_fleets_load() -> None:
     """`recompute_load: fleet`: the recompute is priced once, and once more for each request in
-    flight anywhere in the fleet (not only on the replica that would do it)."""
+    flight per replica of the fleet (its mean load; not only the replica that would do it)."""
     scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1,
                         recompute_load="fleet")  # fmt: skip
     holder = ReplicaView("a", hit_blocks=10, inflight_prompt_tokens=900)  # 0.1 + 0.9
     idle = ReplicaView("b", hit_blocks=5)  # 0.1 + 0.5, + 0.5 recomputed x (1 + 0)
     assert scorer.score(REQ, [holder, idle]) == pytest.approx({"a": 1.0, "b": 1.0 / 1.1})
-    busy = ReplicaView("a", hit_blocks=10, inflight_prompt_tokens=900, inflight=3)
-    # b is idle, but the fleet holds 3 requests: 0.6 + 0.5 x (1 + 3)
+    busy = ReplicaView("a", hit_blocks=10, inflight_prompt_tokens=900, inflight=6)
+    # b is idle, but the fleet holds 6 requests, 3 a replica: 0.6 + 0.5 x (1 + 3)
     assert scorer.score(REQ, [busy, idle]) == pytest.approx({"a": 1.0, "b": 1.0 / 2.6})
     target = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1)  # b's load only
     assert max(target.score(REQ, [busy, idle]).values()) == 1.0
