@@ -20,9 +20,9 @@ a fresh scrape; a replica without one is priced as the fullest known (unknown is
 `recompute` prices the prefill the fleet redoes when a request leaves the replica holding most
 of its prefix (issue 43: the latency-only score kept fewer prefixes than sglang-router by
 recomputing what a loaded replica held); `predict` is the TTFT alone. With `recompute_load:
-fleet` it kept sglang-router's hit ratio on real vLLM under overload but cost TTFT on the
-prefill-heavy trace; alone (target form) it closed most of the hit gap with TTFT mixed
-(docs/benchmarks.md), so it stays opt-in.
+fleet` it kept sglang-router's hit ratio on real vLLM under overload, with TTFT better than the
+default's on the chats and worse on prefix_repetition and the trace (docs/benchmarks.md), so it
+stays opt-in.
 
 a, b, c are fitted per replica from Outcomes by exponentially weighted ridge least squares,
 pulled toward the prior a = base_s, b = 1 / prefill_tokens_per_s and c = b: a queued token is
