@@ -247,12 +247,11 @@ class Router:
         get = hits.get
         routing.views = [r.view(get(r.name, 0), now) for r in pool.replicas]
         hashes, prompt = routing.routed.block_hashes, routing.routed.prompt_tokens
-        if hashes:  # the prefix the requests in flight there hold needs no KV of its own,
-            # unless some of them already wait for KV: the engine admits in order (FCFS)
+        if hashes:  # the prefix the requests in flight there hold needs no KV of its own
             tpb = routing.routed.tokens_per_block
             for r, v in zip(pool.replicas, routing.views, strict=True):
-                kv, held = v.kv_tokens, v.inflight_kv_tokens
-                if kv is not None and held <= kv < held + prompt and r.kv_blocks:
+                kv = v.kv_tokens
+                if kv is not None and v.inflight_kv_tokens + prompt > kv and r.kv_blocks:
                     v.kv_shared_tokens = min(prompt, int(r.kv_held(hashes) * tpb))
         tiers = None if self.index is None else self.index.match_tiers  # docs/tiers.md
         if tiers is not None and routing.routed.block_hashes:
