@@ -35,6 +35,21 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 _SCRAPE_ERRORS: tuple[type[BaseException], ...] = (*CONTROL_ERRORS, UnicodeDecodeError, LookupError)
 
 
+# the KV a replica's requests in flight hold is counted by every KV_STRIDE-th block of their
+# chains (and each chain's last): a prefix they share is resolved to KV_STRIDE blocks (256
+# tokens at 16 a block), and a dispatch costs a sixteenth of the dict updates of every block
+KV_STRIDE = 16
+
+
+def _kv_keys(chain: Sequence[int]) -> list[int]:
+    """The blocks of `chain` counted in `ReplicaState.kv_blocks`: every KV_STRIDE-th, and the
+    last (a whole chain held is then known held)."""
+    keys = list(chain[KV_STRIDE - 1 :: KV_STRIDE])
+    if len(chain) % KV_STRIDE:
+        keys.append(chain[-1])
+    return keys
+
+
 @dataclass(slots=True)
 class Circuit:
     """Open after N consecutive failures; half-open after `open_s`; a success closes it."""
@@ -288,7 +303,7 @@ class ReplicaState:
         if kv_chain:
             shared = self.kv_held(kv_chain)
             blocks = self.kv_blocks
-            for h in kv_chain:
+            for h in _kv_keys(kv_chain):
                 blocks[h] = blocks.get(h, 0) + 1
             kv_tokens = max(0, kv_tokens - int(shared * block_tokens))
         self.inflight_kv_tokens += kv_tokens
@@ -317,16 +332,15 @@ class ReplicaState:
         requests in flight here still hold."""
         self.inflight = max(0, self.inflight - 1)
         if kv_chain:
-            blocks, freed = self.kv_blocks, 0
-            for h in kv_chain:
+            blocks = self.kv_blocks
+            for h in _kv_keys(kv_chain):
                 n = blocks.get(h)
                 if n is not None:
                     if n <= 1:
                         del blocks[h]
-                        freed += 1
                     else:
                         blocks[h] = n - 1
-            kv_tokens = max(0, kv_tokens - int((len(kv_chain) - freed) * block_tokens))
+            kv_tokens = max(0, kv_tokens - int(self.kv_held(kv_chain) * block_tokens))
         self.inflight_kv_tokens = max(0, self.inflight_kv_tokens - kv_tokens)
         if self.inflight == 0 and self._idle is not None:
             self._idle.set()
@@ -334,19 +348,21 @@ class ReplicaState:
             self.on_load()
 
     def kv_held(self, chain: Sequence[int]) -> int:
-        """How many leading blocks of `chain` the requests in flight here hold. A chain hash
-        names its whole prefix, so the blocks held form a prefix of it: a binary search."""
+        """How many leading blocks of `chain` the requests in flight here hold, to a multiple of
+        `KV_STRIDE` (or the whole chain). A chain hash names its whole prefix, so the blocks
+        held form a prefix of it: a binary search over the blocks counted (`_kv_keys`)."""
         blocks = self.kv_blocks
-        if not blocks or not chain or chain[0] not in blocks:
+        n = len(chain)
+        if not blocks or not n:
             return 0
-        lo, hi = 1, len(chain)  # chain[:lo] held; chain[hi:] not known held
+        lo, hi = 0, (n - 1) // KV_STRIDE + 1  # keys [0, lo) held; keys [hi, ...) not known held
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if chain[mid - 1] in blocks:
+            if chain[min(mid * KV_STRIDE, n) - 1] in blocks:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        return min(lo * KV_STRIDE, n)
 
     def observe_ttft(self, ttft_s: float) -> None:
         self.ttft_ewma_s = (

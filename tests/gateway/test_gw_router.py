@@ -221,22 +221,24 @@ def test_a_prefix_in_flight_is_held_once() -> None:
     pool = app.gateway.pools["chat"]
     replica = pool.replicas[0]
     replica.engine_kv = (16, 2400)  # the engine's KV: 2,400 tokens
-    doc = list(range(1000, 1090))  # a 90-block document, then 10 blocks of a question each
-    a = RoutedRequest("a", "m", "s", "p", 1600, [*doc, *range(10)], 16.0)
-    b = RoutedRequest("b", "m", "s", "p", 1600, [*doc, *range(10, 20)], 16.0)
+    doc = list(range(1000, 1096))  # a 96-block document, then 4 blocks of a question each
+    a = RoutedRequest("a", "m", "s", "p", 1600, [*doc, *range(4)], 16.0)
+    b = RoutedRequest("b", "m", "s", "p", 1600, [*doc, *range(4, 8)], 16.0)
     da = Dispatch(None, pool, replica, replica.view(0, 0.0), a)
     assert replica.inflight_kv_tokens == 1600
-    assert replica.kv_held(b.block_hashes) == 90
-    db = Dispatch(None, pool, replica, replica.view(90, 0.0), b)
-    assert replica.inflight_kv_tokens == 1760  # the document once, two questions
-    c = RoutedRequest("c", "m", "s", "p", 1600, [*doc, *range(20, 30)], 16.0)
+    assert replica.kv_held(b.block_hashes) == 96
+    assert replica.kv_held(doc[:90]) == 80  # to a multiple of KV_STRIDE (16 blocks)
+    assert replica.kv_held(a.block_hashes) == 100  # a whole chain held
+    db = Dispatch(None, pool, replica, replica.view(96, 0.0), b)
+    assert replica.inflight_kv_tokens == 1664  # the document once, two questions
+    c = RoutedRequest("c", "m", "s", "p", 1600, [*doc, *range(8, 12)], 16.0)
     other = RoutedRequest("o", "m", "s", "p", 1600, list(range(5000, 5100)), 16.0)
     routing = Routing(c, "", 0)
-    routing.hits = {replica.name: 90}
+    routing.hits = {replica.name: 96}
     routing.epoch = pool.dispatches
     app.gateway.router._choose(pool, routing, 0.0)
-    assert routing.views[0].kv_shared_tokens == 1440
-    assert routing.views[0].kv_waits(1600) == 0  # its 160 tokens fit beside the two
+    assert routing.views[0].kv_shared_tokens == 1536
+    assert routing.views[0].kv_waits(1600) == 0  # its 64 tokens fit beside the two
     routing = Routing(other, "", 0)
     routing.epoch = pool.dispatches
     app.gateway.router._choose(pool, routing, 0.0)
