@@ -34,7 +34,7 @@ from pathlib import Path
 from bench.engine.client import Client, Result
 from bench.engine.fleet import EngineFleet, engine_python, prefix_counters, reset_prefix_cache
 from bench.engine.model import make_model_dir
-from bench.engine.routers import ROUTERS, TERMS, start_router
+from bench.engine.routers import ROUTERS, VARIANTS, start_router
 from bench.engine.workloads import WORKLOADS
 
 MODEL = "tiny"
@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engine_routing", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    ap.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=[*ROUTERS, TERMS])
+    ap.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=[*ROUTERS, *VARIANTS])
     ap.add_argument("--loads", nargs="+", type=float, default=[1.5],
                     help="arrival rates as multiples of the measured capacity")  # fmt: skip
     ap.add_argument("--seconds", type=float, default=12.0, help="arrivals a run lasts, about")

@@ -11,7 +11,10 @@
   only keys set are the replicas and the CPU's deadlines, as for every engine test: a CPU
   prefills ~1K tokens a second, no GPU-sized first-byte deadline); `gateway-precise`: the same
   with tokens mode (the model's tokenizer) and the engines' KV events; `gateway-terms`: as
-  shipped with the TTFT score's opt-in terms on (`load_s`, `kv_s`, `recompute`).
+  shipped with the TTFT score's opt-in terms on (`load_s`, `kv_s`, `recompute`);
+  `gateway-recompute`, `gateway-recompute-fleet`: with only `recompute` on, priced by the
+  target's load or by the fleet's (`recompute_load: fleet`: once, and once more for each
+  request in flight per replica of the fleet).
 
 Both peers install from PyPI into the engine's venv (`scripts/engine-requirements.txt`).
 """
@@ -41,6 +44,17 @@ ROUTERS = ("sglang-cache_aware", "sglang-round_robin", "vllm-kv_aware", "vllm-ca
 TERMS = "gateway-terms"
 TTFT_TERMS = {"scorers": {"ttft": {"weight": 1, "load_s": 0.01, "kv_s": 0.05, "recompute": 1.0}},
               "picker": "max_score", "guard": False}  # fmt: skip
+# the default policy with only the fleet's recompute priced (`recompute: 1`): per request ahead
+# on the replica that would redo it (`gateway-recompute`), or for each request in flight per
+# replica of the fleet (`gateway-recompute-fleet`); named with --routers
+VARIANTS = {
+    TERMS: TTFT_TERMS,
+    "gateway-recompute": {"scorers": {"ttft": {"weight": 1, "recompute": 1.0}},
+                          "picker": "max_score", "guard": False},
+    "gateway-recompute-fleet": {"scorers": {"ttft": {"weight": 1, "recompute": 1.0,
+                                                     "recompute_load": "fleet"}},
+                                "picker": "max_score", "guard": False},
+}  # fmt: skip
 READY_TIMEOUT_S = 60.0
 CPU_TIMEOUTS = {"first_byte_s": 300, "idle_s": 120, "total_s": 600}
 
@@ -83,9 +97,9 @@ def command(name: str, fleet: EngineFleet, port: int, tmp: Path) -> list[str]:
                         "--kv-event-replay-source", f"{m.url}={replay}"]  # fmt: skip
             cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", fleet.model]
         return cmd
-    if name in ("gateway", "gateway-precise", TERMS):
+    if name in ("gateway", "gateway-precise", *VARIANTS):
         path = tmp / f"{name}.yaml"  # JSON is YAML
-        pool = {"policy": TTFT_TERMS} if name == TERMS else {}
+        pool = {"policy": VARIANTS[name]} if name in VARIANTS else {}
         path.write_text(json.dumps(gateway_config(fleet, name == "gateway-precise", **pool)))
         return [sys.executable, "-m", "gateway", "serve", "--config", str(path),
                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip

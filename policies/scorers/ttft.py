@@ -5,7 +5,8 @@
     ttft     = a + b * uncached + c * queued (+ hold_s * kv_waits, below)           (seconds)
                (opt-in: + d * load + kv_s * k / (1 - k))
     cost     = ttft (opt-in: + recompute * b * (prefix tokens another candidate holds, this one
-               does not) * (1 + load), the last factor with recompute_load)
+               does not) * (1 + load), the last factor with recompute_load: true; with
+               recompute_load: fleet * (1 + the candidates' mean load))
     score    = min_cost / cost               (1.0 for the cheapest candidate)
 
 The opt-in terms (`load_s`, `kv_s`, `recompute`, all 0 by default; issue 43 item 2) did not beat
@@ -18,7 +19,10 @@ pool from the fit's residuals, pulled toward `load_s` (0: off). `k` is the engin
 a fresh scrape; a replica without one is priced as the fullest known (unknown is not idle).
 `recompute` prices the prefill the fleet redoes when a request leaves the replica holding most
 of its prefix (issue 43: the latency-only score kept fewer prefixes than sglang-router by
-recomputing what a loaded replica held); `predict` is the TTFT alone.
+recomputing what a loaded replica held); `predict` is the TTFT alone. With `recompute_load:
+fleet` it kept sglang-router's hit ratio on real vLLM under overload, with TTFT better than the
+default's on the chats and worse on prefix_repetition and the trace (docs/benchmarks.md), so it
+stays opt-in.
 
 a, b, c are fitted per replica from Outcomes by exponentially weighted ridge least squares,
 pulled toward the prior a = base_s, b = 1 / prefill_tokens_per_s and c = b: a queued token is
@@ -46,7 +50,9 @@ Each request in flight on a replica also holds KV until it ends (its prompt, in
 `ReplicaView.inflight_kv_tokens`). Where the engine's KV (`kv_tokens`, its cache_config_info)
 cannot hold a new prompt beside them, the engine admits it only once enough of them have ended,
 decode included, whatever its prefix hit: TTFT += hold_s x `ReplicaView.kv_waits(prompt)`, the
-requests in flight that must end first. `hold_s` is learned per scorer from the residual of
+requests in flight that must end first. A prefix they share is held once, and needs no room
+for a new request that shares it too (`ReplicaView.kv_shared_tokens`; counted per request, a
+repeat of a document in flight read as a wait that cost nothing, and hold_s learned too low). `hold_s` is learned per scorer from the residual of
 the TTFTs of requests that had to wait so (one-dimensional ridge toward 0, decayed like the
 fit), and the fit learns from those TTFTs without it. A replica whose KV holds the request
 beside the rest, or that does not report its KV size, is priced as before. Without it, repeats
@@ -190,7 +196,7 @@ class TTFTScorer(Scorer):
         load_s: float = 0.0,
         kv_s: float = 0.0,
         recompute: float = 0.0,
-        recompute_load: bool = True,
+        recompute_load: bool | str = True,
     ) -> None:
         if not prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s!r}")
@@ -203,6 +209,8 @@ class TTFTScorer(Scorer):
         for key, value in (("load_s", load_s), ("kv_s", kv_s), ("recompute", recompute)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"{key} must be a number >= 0, got {value!r}")
+        if recompute_load not in (True, False, "fleet"):
+            raise ValueError(f"recompute_load must be true, false or fleet: {recompute_load!r}")
         if tiers not in TIER_MODES:
             raise ValueError(f"tiers must be one of {TIER_MODES}, got {tiers!r}")
         if not kv_bytes_per_token > 0:
@@ -238,7 +246,7 @@ class TTFTScorer(Scorer):
         self._load = _LoadFit(float(load_s), float(prior_weight), float(decay))
         self.kv_s = float(kv_s)
         self.recompute = float(recompute)
-        self.recompute_load = bool(recompute_load)
+        self.recompute_load = recompute_load
 
     def coefficients(self, replica: str) -> tuple[float, float, float]:
         """(a seconds, b seconds per uncached token, c seconds per queued token) for a replica."""
@@ -283,6 +291,12 @@ class TTFTScorer(Scorer):
             holds = {v.name: v.hit_blocks + (sum(v.tier_hits.values()) if v.tier_hits and tiered
                                              else 0) for v in views}  # fmt: skip
             held = max(holds.values(), default=0)
+            # the factor the recompute is priced at: 1 (flat), 1 + the target's load (true), or
+            # ("fleet") 1 + the mean load of the candidates: a saturated fleet of n replicas is
+            # one server, and the prefill it redoes delays each request it holds by 1/n of it
+            fleet = 0.0
+            if self.recompute_load == "fleet" and views:
+                fleet = 1 + sum(v.load for v in views) / len(views)
         worst = None
         if kv_s:  # a replica whose KV use is unknown now (no fresh scrape) counts as the fullest
             known = [v.kv_usage for v in views if v.kv_usage is not None]
@@ -301,7 +315,8 @@ class TTFTScorer(Scorer):
                 redo = b * (min(prompt, held * tpb) - min(prompt, mine * tpb))
                 # once, and once more for each request it delays there (queued, or decoding
                 # through the steps the prefill takes)
-                t += rho * redo * (1 + v.load if self.recompute_load else 1)
+                by = self.recompute_load
+                t += rho * redo * (fleet if by == "fleet" else 1 + v.load if by else 1)
             if v.tier_hits and self.tiers != "off":
                 measured = v.tier_load_rates
                 if measured is not None and seen.get(v.name) is not measured:

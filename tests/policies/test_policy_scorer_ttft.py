@@ -59,6 +59,24 @@ def test_ttft_prices_recomputing_what_another_replica_holds() -> None:
     assert busy.score(REQ, loaded)["b"] == pytest.approx(1.0 / 2.6)
 
 
+def test_ttft_prices_recompute_by_the_fleets_load() -> None:
+    """`recompute_load: fleet`: the recompute is priced once, and once more for each request in
+    flight per replica of the fleet (its mean load; not only the replica that would do it)."""
+    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1,
+                        recompute_load="fleet")  # fmt: skip
+    holder = ReplicaView("a", hit_blocks=10, inflight_prompt_tokens=900)  # 0.1 + 0.9
+    idle = ReplicaView("b", hit_blocks=5)  # 0.1 + 0.5, + 0.5 recomputed x (1 + 0)
+    assert scorer.score(REQ, [holder, idle]) == pytest.approx({"a": 1.0, "b": 1.0 / 1.1})
+    busy = ReplicaView("a", hit_blocks=10, inflight_prompt_tokens=900, inflight=6)
+    # b is idle, but the fleet holds 6 requests, 3 a replica: 0.6 + 0.5 x (1 + 3)
+    assert scorer.score(REQ, [busy, idle]) == pytest.approx({"a": 1.0, "b": 1.0 / 2.6})
+    target = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1)  # b's load only
+    assert max(target.score(REQ, [busy, idle]).values()) == 1.0
+    assert target.score(REQ, [busy, idle])["b"] == pytest.approx(1.0 / 1.1)
+    with pytest.raises(ValueError, match="recompute_load"):
+        TTFTScorer(recompute_load="target")
+
+
 def test_ttft_prices_engine_load_and_kv_pressure_from_fresh_metrics_only() -> None:
     """Requests running or waiting on the engine (the scrape's, or the gateway's own in-flight
     count when higher or when the scrape is stale) cost `load_s` each; KV in use k costs
