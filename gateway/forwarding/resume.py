@@ -73,6 +73,7 @@ REFUSED = (
     ("presence_penalty", "frequency/presence penalty"),
     ("suffix", "suffix"),
 )
+_REFUSED_KEYS = frozenset(key for key, _ in REFUSED)
 _TRIVIAL: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False, "logprobs": False,
                             "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
                             "tools": [], "response_format": {"type": "text"}}  # fmt: skip
@@ -92,6 +93,8 @@ def refused(req: ParsedRequest) -> str | None:
     if req.kind == "completions" and isinstance(req.prompt, list) and req.prompt \
             and isinstance(req.prompt[0], (str, list)) and len(req.prompt) > 1:  # fmt: skip
         return "a batch of prompts"
+    if _REFUSED_KEYS.isdisjoint(body):  # the usual request: none of them set
+        return _thinking(body)
     for key, why in REFUSED:
         v = body.get(key)
         if v is None or v is False or (key in _TRIVIAL and v == _TRIVIAL[key]):
@@ -99,6 +102,10 @@ def refused(req: ParsedRequest) -> str | None:
         if key == "tools" and body.get("tool_choice") == "none":
             continue
         return why
+    return _thinking(body)
+
+
+def _thinking(body: dict[str, Any]) -> str | None:
     if body.get("chat_template_kwargs", {}).get("enable_thinking") is True:
         return "a reasoning model's thinking"
     return None
