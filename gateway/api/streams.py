@@ -61,7 +61,9 @@ class StreamTap:
         "_pending",
     )
 
-    choices_only = False  # `_lf_events` leaves an event without `choices` to `_json`
+    # an engine's error event (`error`, no `choices`) breaks the stream (IdsTap: a resume's
+    # trigger); the plain tap relays it as the event it is
+    error_breaks = False
 
     def __init__(self, strip_usage: bool) -> None:
         self.strip_usage = strip_usage
@@ -136,7 +138,7 @@ class StreamTap:
         done = chunk.endswith(_LAST_DONE)
         datas = chunk[6 : -len(_LAST_DONE) if done else -2].split(_NEXT)
         loads = orjson.loads
-        odd = self.choices_only  # an event without `choices` is one for `_json` to read
+        odd = self.error_breaks  # an event without `choices` is one for `_json` to read
         drops: list[tuple[int, int]] = []
         try:
             if chunk.find(b'"usage"') < 0:
@@ -168,7 +170,7 @@ class StreamTap:
 
     def _took(self, chunk: bytes, datas: list[bytes]) -> bool:
         """`_lf_events` read `chunk`'s events (`datas`, each a JSON object, with `choices` when
-        `choices_only`): what a tap that keeps more of its events (`_json`) notes of them all at
+        `error_breaks`): what a tap that keeps more of its events (`_json`) notes of them all at
         once; False: each goes through `_json` instead."""
         return True
 
@@ -271,6 +273,8 @@ class StreamTap:
             self.usage = usage
             if self.strip_usage and obj.get("choices") == []:
                 return _DROP  # the usage chunk the gateway asked for: the client did not
+        if self.error_breaks and "error" in obj and "choices" not in obj:
+            raise InvalidEvent("an error event")
         self.events += 1
         return _KEEP
 

@@ -19,9 +19,8 @@ from typing import Any
 
 import orjson
 
-from gateway.api.streams import InvalidEvent, StreamTap, load_event
+from gateway.api.streams import StreamTap
 
-_KEEP, _DROP = 0, 1  # streams' verdicts
 # `,"token_ids":[1,2]` or `,"prompt_token_ids":null` as an engine's compact JSON writes them (a
 # comma before a quote never occurs inside a JSON string: its quotes are escaped)
 _IDS = re.compile(rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[0-9,\s]*\]|null)')
@@ -146,25 +145,16 @@ class IdsTap(StreamTap):
             return strip_ids(out)
         return out
 
-    choices_only = True  # an engine's error event (no `choices`) is read by `_json`
+    error_breaks = True  # an engine's error event mid-stream: a resume's trigger
 
     def _took(self, chunk: bytes, datas: list[bytes]) -> bool:
         self.ledger.seen += datas
         return True
 
     def _json(self, data: memoryview | bytes) -> int:
-        obj = load_event(data)
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
-            if self.strip_usage and obj.get("choices") == []:
-                self.ledger.seen.append(bytes(data))  # the answer's usage, for the ledger
-                return _DROP
-        if "error" in obj and "choices" not in obj:  # an engine's error event mid-stream
-            raise InvalidEvent("an error event")
-        self.ledger.seen.append(bytes(data))
-        self.events += 1
-        return _KEEP
+        verdict = super()._json(data)  # InvalidEvent: not noted
+        self.ledger.seen.append(bytes(data))  # a dropped usage chunk too: the answer's usage
+        return verdict
 
 
 def strip_ids(out: bytes) -> bytes:
