@@ -107,6 +107,9 @@ class ReplicaView:
     # tokens of the requests the gateway has in flight there: the KV they hold until they end
     kv_tokens: int | None = None
     inflight_kv_tokens: int = 0
+    # the leading tokens of this request's prompt whose KV the requests in flight here already
+    # hold (a shared prefix is held once: it needs no room of its own); set by the router
+    kv_shared_tokens: int = 0
 
     def kv_waits(self, prompt_tokens: int) -> int:
         """How many of the requests in flight here must end before a prompt of `prompt_tokens`
@@ -115,9 +118,10 @@ class ReplicaView:
         room for it, so where long prompts fill the KV a new one waits for those ahead to
         finish, decode included, whatever its prefix hit."""
         kv, held, n = self.kv_tokens, self.inflight_kv_tokens, self.inflight
-        if kv is None or n <= 0 or held + prompt_tokens <= kv:
+        need = prompt_tokens - self.kv_shared_tokens
+        if kv is None or n <= 0 or held + need <= kv:
             return 0
-        over = held + prompt_tokens - kv
+        over = held + need - kv
         return min(n, -(-over * n // held)) if held > 0 else 0
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,21 @@ log = logging.getLogger("gateway.replicas")
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 # a scrape that fails: no answer, or one that is not text in its charset (decoded strictly)
 _SCRAPE_ERRORS: tuple[type[BaseException], ...] = (*CONTROL_ERRORS, UnicodeDecodeError, LookupError)
+
+
+# the KV a replica's requests in flight hold is counted by every KV_STRIDE-th block of their
+# chains (and each chain's last): a prefix they share is resolved to KV_STRIDE blocks (256
+# tokens at 16 a block), and a dispatch costs a sixteenth of the dict updates of every block
+KV_STRIDE = 16
+
+
+def _kv_keys(chain: Sequence[int]) -> list[int]:
+    """The blocks of `chain` counted in `ReplicaState.kv_blocks`: every KV_STRIDE-th, and the
+    last (a whole chain held is then known held)."""
+    keys = list(chain[KV_STRIDE - 1 :: KV_STRIDE])
+    if len(chain) % KV_STRIDE:
+        keys.append(chain[-1])
+    return keys
 
 
 @dataclass(slots=True)
@@ -91,8 +106,10 @@ class ReplicaState:
     streams: set[Callable[[], None]] = field(default_factory=set)
     inflight: int = 0
     inflight_prompt_tokens: int = 0
-    # the prompt tokens of its requests in flight: the KV they hold until they end (issue 42)
+    # the KV its requests in flight hold until they end, in prompt tokens, a prefix they share
+    # counted once (issue 42); and their chains' blocks, each with the requests that hold it
     inflight_kv_tokens: int = 0
+    kv_blocks: dict[int, int] = field(default_factory=dict)
     placed_blocks: int = 0  # blocks new to this replica routed to it, ever (cold placement)
     unrecords: int = 0  # failed dispatches whose unconfirmed blocks left the index
     # the other gateways' figures for this replica as of the last fleet tick (gateway/fleet/shared_load.py;
@@ -275,11 +292,20 @@ class ReplicaState:
         new_blocks: int = 0,
         cold: int | None = None,
         kv_tokens: int = 0,
+        kv_chain: Sequence[int] = (),
+        block_tokens: float = 0.0,
     ) -> None:
         """A request sent here; `cold`: the key of a new prefix it places (none held here);
-        `kv_tokens`: its prompt, the KV it holds here until it ends."""
+        `kv_tokens`: its prompt, the KV it holds here until it ends, less the leading blocks of
+        `kv_chain` (its block hashes, `block_tokens` each) that requests in flight here hold."""
         self.inflight += 1
         self.inflight_prompt_tokens += uncached_prompt_tokens
+        if kv_chain:
+            shared = self.kv_held(kv_chain)
+            blocks = self.kv_blocks
+            for h in _kv_keys(kv_chain):
+                blocks[h] = blocks.get(h, 0) + 1
+            kv_tokens = max(0, kv_tokens - int(shared * block_tokens))
         self.inflight_kv_tokens += kv_tokens
         self.placed_blocks += new_blocks
         if cold is not None:
@@ -299,13 +325,44 @@ class ReplicaState:
         if self.on_load is not None:
             self.on_load()
 
-    def finished(self, kv_tokens: int = 0) -> None:
+    def finished(
+        self, kv_tokens: int = 0, kv_chain: Sequence[int] = (), block_tokens: float = 0.0
+    ) -> None:
+        """A request ended: its KV is freed, but for the blocks of its chain that other
+        requests in flight here still hold."""
         self.inflight = max(0, self.inflight - 1)
+        if kv_chain:
+            blocks = self.kv_blocks
+            for h in _kv_keys(kv_chain):
+                n = blocks.get(h)
+                if n is not None:
+                    if n <= 1:
+                        del blocks[h]
+                    else:
+                        blocks[h] = n - 1
+            kv_tokens = max(0, kv_tokens - int(self.kv_held(kv_chain) * block_tokens))
         self.inflight_kv_tokens = max(0, self.inflight_kv_tokens - kv_tokens)
         if self.inflight == 0 and self._idle is not None:
             self._idle.set()
         if self.on_load is not None:
             self.on_load()
+
+    def kv_held(self, chain: Sequence[int]) -> int:
+        """How many leading blocks of `chain` the requests in flight here hold, to a multiple of
+        `KV_STRIDE` (or the whole chain). A chain hash names its whole prefix, so the blocks
+        held form a prefix of it: a binary search over the blocks counted (`_kv_keys`)."""
+        blocks = self.kv_blocks
+        n = len(chain)
+        if not blocks or not n:
+            return 0
+        lo, hi = 0, (n - 1) // KV_STRIDE + 1  # keys [0, lo) held; keys [hi, ...) not known held
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if chain[min(mid * KV_STRIDE, n) - 1] in blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return min(lo * KV_STRIDE, n)
 
     def observe_ttft(self, ttft_s: float) -> None:
         self.ttft_ewma_s = (

@@ -246,6 +246,13 @@ class Router:
             hits = routing.hits = self._recheck(pool, routing)
         get = hits.get
         routing.views = [r.view(get(r.name, 0), now) for r in pool.replicas]
+        hashes, prompt = routing.routed.block_hashes, routing.routed.prompt_tokens
+        if hashes:  # the prefix the requests in flight there hold needs no KV of its own
+            tpb = routing.routed.tokens_per_block
+            for r, v in zip(pool.replicas, routing.views, strict=True):
+                kv = v.kv_tokens
+                if kv is not None and v.inflight_kv_tokens + prompt > kv and r.kv_blocks:
+                    v.kv_shared_tokens = min(prompt, int(r.kv_held(hashes) * tpb))
         tiers = None if self.index is None else self.index.match_tiers  # docs/tiers.md
         if tiers is not None and routing.routed.block_hashes:
             routing.tiers = tiers(routing.routed.scope, routing.routed.block_hashes, hits)
@@ -345,7 +352,7 @@ class Dispatch:
 
     __slots__ = (
         "index", "pool", "replica", "view", "routed", "hit_tokens", "uncached", "queued", "cold", "rides",
-        "_prefilled", "_done", "_settled", "_unrecords", "adapter_load",
+        "_prefilled", "_done", "_settled", "_unrecords", "adapter_load", "kv_chain",
     )  # fmt: skip
 
     def __init__(
@@ -379,8 +386,11 @@ class Dispatch:
         # its hit is a prefix placed here and not yet prefilled: it waits for the rest of that
         # prefill, which the queued count overstates (issue 42), so its TTFT teaches nothing
         self.rides = not new_prefix and key is not None and key in replica.cold
+        # the KV it holds there until it ends, a prefix that requests in flight there hold
+        # counted once (by its chain), where the engine reports its KV size (issue 42)
+        self.kv_chain = hashes if view.kv_tokens is not None else ()
         replica.dispatched(self.queued, max(0, routed.n_blocks - view.hit_blocks), self.cold,
-                           routed.prompt_tokens)  # fmt: skip
+                           routed.prompt_tokens, self.kv_chain, routed.tokens_per_block)  # fmt: skip
         # a LoRA adapter: counted in flight there; None for a model that is no adapter of it
         lora = replica.lora
         self.adapter_load = lora.dispatched(routed.model) if lora.is_adapter(routed.model) else None
@@ -493,7 +503,8 @@ class Dispatch:
         if not self._done:
             self._done = True
             self.prefilled()
-            self.replica.finished(self.routed.prompt_tokens)
+            self.replica.finished(self.routed.prompt_tokens, self.kv_chain,
+                                  self.routed.tokens_per_block)  # fmt: skip
             if self.adapter_load is not None:
                 self.replica.lora.finished(self.routed.model)
 

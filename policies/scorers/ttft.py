@@ -46,7 +46,9 @@ Each request in flight on a replica also holds KV until it ends (its prompt, in
 `ReplicaView.inflight_kv_tokens`). Where the engine's KV (`kv_tokens`, its cache_config_info)
 cannot hold a new prompt beside them, the engine admits it only once enough of them have ended,
 decode included, whatever its prefix hit: TTFT += hold_s x `ReplicaView.kv_waits(prompt)`, the
-requests in flight that must end first. `hold_s` is learned per scorer from the residual of
+requests in flight that must end first. A prefix they share is held once, and needs no room
+for a new request that shares it too (`ReplicaView.kv_shared_tokens`; counted per request, a
+repeat of a document in flight read as a wait that cost nothing, and hold_s learned too low). `hold_s` is learned per scorer from the residual of
 the TTFTs of requests that had to wait so (one-dimensional ridge toward 0, decayed like the
 fit), and the fit learns from those TTFTs without it. A replica whose KV holds the request
 beside the rest, or that does not report its KV size, is priced as before. Without it, repeats

@@ -76,3 +76,24 @@ class _Pinned:
 
     async def on_finish(self, req: SimRequest, replica: int, record: object) -> None:
         await self.router.on_finish(req, replica, record)
+
+
+def _row(fleet: str, router: str, p99: float, saved: float = 0.8) -> bt.Row:
+    tiers = {"gpu": saved, "cpu": 0.0, "shared": 0.0}
+    return bt.Row(fleet, router, saved, tiers, saved, 0.1, p99, {}, {}, {})
+
+
+def test_the_tail_goal_over_seeds_is_paired() -> None:
+    """Across seeds the default's p99 is compared with each row's on the same trace: a row whose
+    tail is lower in one seed and higher in another does not beat it, one lower in most does."""
+    fleet = "gpu+host"
+
+    def seeds(other: list[float]) -> dict[int, list[bt.Row]]:
+        mine = [1.0, 2.0, 1.5]
+        return {s: [_row(fleet, bt.DEFAULT, mine[s]), _row(fleet, "tier_weights", other[s])]
+                for s in range(3)}  # fmt: skip
+
+    (*_, (line, ok)) = [x for x in bt.across_seeds(seeds([1.1, 1.9, 1.6])) if fleet + ":" in x[0]]
+    assert ok and "MET" in line and "letter (lowest of every row) in 2/3" in line
+    (*_, (line, ok)) = [x for x in bt.across_seeds(seeds([0.9, 1.9, 1.6])) if fleet + ":" in x[0]]
+    assert not ok and "NOT MET" in line

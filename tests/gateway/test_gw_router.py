@@ -207,3 +207,44 @@ def test_tier_hits_are_loaded_not_queued_prefill() -> None:
     assert (replica.inflight_prompt_tokens, replica.inflight_kv_tokens) == (480, 1600)
     d.done()
     assert (replica.inflight_prompt_tokens, replica.inflight_kv_tokens) == (0, 0)
+
+
+def test_a_prefix_in_flight_is_held_once() -> None:
+    """Requests in flight that share a prefix hold its KV once, as the engine's prefix cache
+    does (issue 42): a second request on the same document adds only its own blocks, a new
+    request that shares the prefix needs no room for it, and the prefix's KV is freed only when
+    the last of them ends."""
+    from gateway.routing.router import Dispatch, Routing
+    from policies.types import RoutedRequest
+
+    app = create_app(config(["http://127.0.0.1:9"]))
+    pool = app.gateway.pools["chat"]
+    replica = pool.replicas[0]
+    replica.engine_kv = (16, 2400)  # the engine's KV: 2,400 tokens
+    doc = list(range(1000, 1096))  # a 96-block document, then 4 blocks of a question each
+    a = RoutedRequest("a", "m", "s", "p", 1600, [*doc, *range(4)], 16.0)
+    b = RoutedRequest("b", "m", "s", "p", 1600, [*doc, *range(4, 8)], 16.0)
+    da = Dispatch(None, pool, replica, replica.view(0, 0.0), a)
+    assert replica.inflight_kv_tokens == 1600
+    assert replica.kv_held(b.block_hashes) == 96
+    assert replica.kv_held(doc[:90]) == 80  # to a multiple of KV_STRIDE (16 blocks)
+    assert replica.kv_held(a.block_hashes) == 100  # a whole chain held
+    db = Dispatch(None, pool, replica, replica.view(96, 0.0), b)
+    assert replica.inflight_kv_tokens == 1664  # the document once, two questions
+    c = RoutedRequest("c", "m", "s", "p", 1600, [*doc, *range(8, 12)], 16.0)
+    other = RoutedRequest("o", "m", "s", "p", 1600, list(range(5000, 5100)), 16.0)
+    routing = Routing(c, "", 0)
+    routing.hits = {replica.name: 96}
+    routing.epoch = pool.dispatches
+    app.gateway.router._choose(pool, routing, 0.0)
+    assert routing.views[0].kv_shared_tokens == 1536
+    assert routing.views[0].kv_waits(1600) == 0  # its 64 tokens fit beside the two
+    routing = Routing(other, "", 0)
+    routing.epoch = pool.dispatches
+    app.gateway.router._choose(pool, routing, 0.0)
+    assert routing.views[0].kv_shared_tokens == 0
+    assert routing.views[0].kv_waits(1600) == 2  # a new document waits for both to end
+    da.done()
+    assert replica.inflight_kv_tokens == 1600  # b still holds the document
+    db.done()
+    assert (replica.inflight_kv_tokens, replica.kv_blocks) == (0, {})
