@@ -133,6 +133,7 @@ class IdsTap(StreamTap):
     engine's `token_ids`/`prompt_token_ids` are cut out of what the client gets."""
 
     __slots__ = ("ledger", "strip_ids")
+    error_breaks = True  # an engine's error event mid-stream: a resume's trigger
 
     def __init__(self, strip_usage: bool, ledger: Ledger, strip_ids: bool) -> None:
         super().__init__(strip_usage)
@@ -144,8 +145,6 @@ class IdsTap(StreamTap):
         if self.strip_ids and out and out.find(_IDS_KEY) >= 0:
             return strip_ids(out)
         return out
-
-    error_breaks = True  # an engine's error event mid-stream: a resume's trigger
 
     def _took(self, chunk: bytes, datas: list[bytes]) -> bool:
         self.ledger.seen += datas
