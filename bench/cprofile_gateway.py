@@ -11,6 +11,7 @@ profile).
 
     .venv/bin/python -m bench.cprofile_gateway --policy round_robin --seconds 6
     .venv/bin/python -m bench.cprofile_gateway --tracing --sort cumulative
+    .venv/bin/python -m bench.cprofile_gateway --policy ttft --stream
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=6.0, help="profiled load")
     p.add_argument("--sort", default="tottime", help="pstats order: tottime, cumulative, ncalls")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--stream", action="store_true", help="64-chunk unpaced streams (bench.overhead's)")
     p.add_argument("--tracing", action="store_true", help="sampling 1.0, OTLP/HTTP to the upstream")
     p.add_argument("--dump", help="also write the raw profile here (pstats, snakeviz)")
     p.add_argument("--load-port", type=int, help=argparse.SUPPRESS)  # the child's side
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         async def serve() -> None:
             server, task = await in_process.start(app, port)
             await asyncio.sleep(2.0)  # the first probes and scrapes
-            gen = await in_process.load(port, args.seconds)
+            gen = await in_process.load(port, args.seconds, args.stream)
             assert gen.stdout is not None
             await asyncio.sleep(0.5)  # the generator's warm-up
             prof.enable()

@@ -844,6 +844,7 @@ def _notes(res: Results, rows: dict[tuple[str, str], Row], vs: list[Variant], ar
             ]
             text = ", ".join(f"{v.name} {x:.1f} us" for v, x in zip(vs, per, strict=True))
             lines.append(f"{key}: gateway CPU per chunk beyond a non-streamed request: {text}")
+    lines += _against_base(res, vs)
     windows = [w for ws in res.values() for w in ws]
     other_gw = med(w.other(args.gateway_cpu, "gateway") for w in windows)
     other_load = med(w.other(args.load_cpu, "generator", "upstream") for w in windows)
@@ -857,6 +858,22 @@ def _notes(res: Results, rows: dict[tuple[str, str], Row], vs: list[Variant], ar
             "pessimistic (CPU per request and 'x cpu' much less so)"
         )
     return "\n".join(lines)
+
+
+def _against_base(res: Results, vs: list[Variant]) -> list[str]:
+    """With --baseline-src: each row's gateway CPU per request over its `@base` row's, the median
+    of the ratios of the same repeat's windows (run side by side)."""
+    lines = []
+    for key in LOAD_KEYS:
+        pairs = [(v.name, res.get((key, v.name)), res.get((key, v.name + "@base"))) for v in vs]
+        text = ", ".join(
+            f"{name} {med(a.us_per_req('gateway') / b.us_per_req('gateway') for a, b in zip(ws, bs, strict=True)):.3f}x"
+            for name, ws, bs in pairs
+            if ws and bs
+        )  # fmt: skip
+        if text:
+            lines.append(f"{key}: gateway CPU per request, this tree / --baseline-src: {text}")
+    return lines
 
 
 def _goals(rows: dict[tuple[str, str], Row], vs: list[Variant], res: Results) -> str:

@@ -61,6 +61,10 @@ class StreamTap:
         "_pending",
     )
 
+    # an engine's error event (`error`, no `choices`) breaks the stream (IdsTap: a resume's
+    # trigger); the plain tap relays it as the event it is
+    error_breaks = False
+
     def __init__(self, strip_usage: bool) -> None:
         self.strip_usage = strip_usage
         self.first_ns = 0
@@ -111,10 +115,9 @@ class StreamTap:
                 return b""
             return chunk if verdict == _KEEP else b""
         else:
-            if type(self) is StreamTap:  # a subclass may see more in each event (`_json`)
-                whole = self._lf_events(chunk)
-                if whole is not None:
-                    return whole
+            whole = self._lf_events(chunk)
+            if whole is not None:
+                return whole
             sep = _LF2
         cut = _last_end(chunk, 0, sep)
         if cut != len(chunk):
@@ -135,17 +138,19 @@ class StreamTap:
         done = chunk.endswith(_LAST_DONE)
         datas = chunk[6 : -len(_LAST_DONE) if done else -2].split(_NEXT)
         loads = orjson.loads
+        odd = self.error_breaks  # an event without `choices` is one for `_json` to read
         drops: list[tuple[int, int]] = []
         try:
             if chunk.find(b'"usage"') < 0:
                 for data in datas:
-                    if type(loads(data)) is not dict:
+                    obj = loads(data)
+                    if type(obj) is not dict or (odd and "choices" not in obj):
                         return None  # not an object, or [DONE] before the read's end
             else:  # the usage is noted, and its chunk dropped when the client did not ask
                 pos = 0
                 for data in datas:
                     obj = loads(data)
-                    if type(obj) is not dict:
+                    if type(obj) is not dict or (odd and "choices" not in obj):
                         return None
                     end = pos + len(data) + 8  # `data: ` and LF LF
                     usage = obj.get("usage")
@@ -156,10 +161,18 @@ class StreamTap:
                     pos = end
         except orjson.JSONDecodeError:
             return None
+        if not self._took(chunk, datas):
+            return None
         self.events += n - len(drops)
         if done:
             self.done = True
         return _cut_out(chunk, drops, len(chunk)) if drops else chunk
+
+    def _took(self, chunk: bytes, datas: list[bytes]) -> bool:
+        """`_lf_events` read `chunk`'s events (`datas`, each a JSON object, with `choices` when
+        `error_breaks`): what a tap that keeps more of its events (`_json`) notes of them all at
+        once; False: each goes through `_json` instead."""
+        return True
 
     def discard(self) -> bool:
         """Drop what is held back (the stream ended); True when that was part of an event."""
@@ -260,6 +273,8 @@ class StreamTap:
             self.usage = usage
             if self.strip_usage and obj.get("choices") == []:
                 return _DROP  # the usage chunk the gateway asked for: the client did not
+        if self.error_breaks and "error" in obj and "choices" not in obj:
+            raise InvalidEvent("an error event")
         self.events += 1
         return _KEEP
 
@@ -327,6 +342,9 @@ class ResponsesTap(StreamTap):
     def __init__(self, strip_usage: bool) -> None:
         super().__init__(strip_usage=False)  # nothing was asked for on the client's behalf
         self.answer_id: str | None = None
+
+    def _took(self, chunk: bytes, datas: list[bytes]) -> bool:
+        return False  # each event is read for the response's id and end (`_json`)
 
     def _json(self, data: memoryview | bytes) -> int:
         try:

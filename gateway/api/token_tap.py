@@ -17,9 +17,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.api.streams import InvalidEvent, StreamTap, load_event
+import orjson
 
-_KEEP, _DROP = 0, 1  # streams' verdicts
+from gateway.api.streams import StreamTap
+
 # `,"token_ids":[1,2]` or `,"prompt_token_ids":null` as an engine's compact JSON writes them (a
 # comma before a quote never occurs inside a JSON string: its quotes are escaped)
 _IDS = re.compile(rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[0-9,\s]*\]|null)')
@@ -44,16 +45,18 @@ class Ledger:
     role_sent: bool = False  # a chat stream's first chunk (the assistant role) was relayed
     unresumable: str | None = None  # why this answer cannot be continued exactly
     usage: dict[str, Any] | None = None
-    seen: list[dict[str, Any]] = field(default_factory=list)  # chunks noted, not yet read
+    # the data of the events relayed and not yet read: each one JSON object, as the engine sent
+    # it (bytes: the event's objects are not kept alive, so they cost the collector nothing)
+    seen: list[bytes] = field(default_factory=list)
 
     def settle(self) -> Ledger:
-        """Read the chunks noted since the last call into the fields above: a stream's chunks are
-        only kept as it goes (one append each, on the hot path), and read when a resume, a drain
-        or a whole answer needs the ledger. Call before reading any field."""
+        """Read the events noted since the last call into the fields above: a stream's events are
+        only kept as they go (their bytes, one reference each, on the hot path), and parsed again
+        when a resume, a drain or a whole answer needs the ledger. Call before reading any field."""
         if self.seen:
             seen, self.seen = self.seen, []
-            for obj in seen:
-                self._take(obj)
+            for data in seen:
+                self._take(orjson.loads(data))
         return self
 
     @property
@@ -66,11 +69,11 @@ class Ledger:
         """The ids of the prompt and of everything relayed are known."""
         return self.prompt_ids is not None and not self.ids_lost
 
-    def note(self, obj: dict[str, Any]) -> None:
-        """Keep one event's data (a chunk) for `settle`."""
-        self.seen.append(obj)
-
     def _take(self, obj: dict[str, Any]) -> None:
+        usage = obj.get("usage")
+        choices = obj.get("choices")
+        if type(usage) is dict and choices == []:  # the usage chunk
+            self.usage = usage
         if not self.template:
             for key in ("id", "created", "model", "object", "system_fingerprint"):
                 if key in obj:
@@ -78,7 +81,6 @@ class Ledger:
         top = obj.get("prompt_token_ids")
         if type(top) is list and self.prompt_ids is None:
             self.prompt_ids = top
-        choices = obj.get("choices")
         if type(choices) is not list:
             return
         for choice in choices:
@@ -131,6 +133,7 @@ class IdsTap(StreamTap):
     engine's `token_ids`/`prompt_token_ids` are cut out of what the client gets."""
 
     __slots__ = ("ledger", "strip_ids")
+    error_breaks = True  # an engine's error event mid-stream: a resume's trigger
 
     def __init__(self, strip_usage: bool, ledger: Ledger, strip_ids: bool) -> None:
         super().__init__(strip_usage)
@@ -143,20 +146,14 @@ class IdsTap(StreamTap):
             return strip_ids(out)
         return out
 
+    def _took(self, chunk: bytes, datas: list[bytes]) -> bool:
+        self.ledger.seen += datas
+        return True
+
     def _json(self, data: memoryview | bytes) -> int:
-        obj = load_event(data)
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
-            if obj.get("choices") == []:
-                self.ledger.usage = usage
-                if self.strip_usage:
-                    return _DROP
-        if "error" in obj and "choices" not in obj:  # an engine's error event mid-stream
-            raise InvalidEvent("an error event")
-        self.ledger.note(obj)
-        self.events += 1
-        return _KEEP
+        verdict = super()._json(data)  # InvalidEvent: not noted
+        self.ledger.seen.append(bytes(data))  # a dropped usage chunk too: the answer's usage
+        return verdict
 
 
 def strip_ids(out: bytes) -> bytes:

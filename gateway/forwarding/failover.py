@@ -9,7 +9,6 @@ replica, the policy and the index exactly once (`Dispatch`).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from gateway.forwarding.relay import (
     attempt_outcome,
     normalize_error_body,
     open_upstream,
+    read_stream,
     relay_stream,
     response_headers,
     send_whole,
@@ -48,7 +48,6 @@ from gateway.forwarding.resume import (
     with_ids,
 )
 from gateway.routing.router import Dispatch
-from gateway.transport.errors import UpstreamBrokenError
 from gateway.transport.writer import ResponseWriter
 
 if TYPE_CHECKING:
@@ -258,38 +257,12 @@ class Failover:
         """A non-streamed answer the engine streams (`resume.whole`): collected into the
         ledger, resumed on another replica if it breaks, then answered whole; its usage."""
         tap = state.tap(strip_usage=True)
-        resp = opened.resp
         if current is not None:
-            state.watch(current.replica, resp, out.pool)
-        broke: GatewayError | None = None
-        ended = False
+            state.watch(current.replica, opened.resp, out.pool)
         try:
-            chunk = opened.first
-            while True:
-                tap.feed(chunk)
-                if tap.broken is not None or tap.done:
-                    break
-                chunk = await resp.read_chunk()
-                if not chunk:
-                    ended = True
-                    break
-        except asyncio.CancelledError:
-            resp.abort()
-            raise
-        except TimeoutError:
-            broke = UpstreamTimeout("The upstream replica stopped sending mid-answer (timeout)")
-        except UpstreamBrokenError as exc:
-            broke = UpstreamError(f"The upstream replica failed mid-answer ({exc})")
+            broke = await read_stream(opened.resp, tap, None, opened.first, what="answer")
         finally:
             state.unwatch()
-        if broke is None and tap.broken is not None:
-            broke = UpstreamError(f"The upstream replica sent {tap.broken}")
-        elif broke is None and not tap.done:
-            broke = UpstreamError("The upstream replica ended the answer before its end")
-        if ended or tap.done:
-            resp.release()
-        else:
-            resp.abort()
         fwd.t_last = time.perf_counter_ns()
         if broke is not None:
             trigger = trigger_of(broke, tap.broken, state.drained)

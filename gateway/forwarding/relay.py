@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -239,37 +239,73 @@ async def relay_stream(
     A stream in `live` that a shutdown ends gets the `server_shutting_down` error event.
     """
     resp = opened.resp
-    if live is not None:
-        live.add(resp)
-    try:
-        return await _relay(opened, writer, extra_headers, tap, after_first, live, keep_open)
-    finally:
-        if live is not None:
-            live.discard(resp)
-
-
-async def _relay(
-    opened: Opened,
-    writer: ResponseWriter,
-    extra_headers: Headers,
-    tap: StreamTap,
-    after_first: Callable[[], Awaitable[None]] | None,
-    live: LiveStreams | None,
-    keep_open: bool = False,
-) -> GatewayError | None:
-    resp = opened.resp
     headers = response_headers(resp, extra_headers)
     # what can go at once goes straight to the client's socket (a chunk per read: whatever
     # arrived since the last one, never waited for), the head with the first; else, or under
     # backpressure, through `send` (the writer decides)
     await writer.begin(resp.status, headers, tap.feed(opened.first))
+    if after_first is not None:
+        try:
+            await after_first()
+        except asyncio.CancelledError:  # the client went away: hang up so the engine aborts
+            resp.abort()
+            raise
+    broke = await read_stream(resp, tap, writer.write, live=live, direct=writer)
+    if broke is not None and keep_open:
+        return broke
+    await writer.end(sse_error_event(broke) if broke is not None else b"")
+    return broke
+
+
+class Tap(Protocol):
+    """What reads a stream's events as they come (`StreamTap`, a resume's `Reshaper`): `feed`
+    returns what goes on (b"": nothing now); `broken` says why the stream is unusable from
+    there on, `done` that its end (`[DONE]`) went by."""
+
+    @property
+    def broken(self) -> str | None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def discard(self) -> bool: ...
+
+
+async def read_stream(
+    resp: UpstreamResponse,
+    tap: Tap,
+    write: Callable[[bytes], Awaitable[None]] | None,
+    first: bytes = b"",
+    *,
+    live: LiveStreams | None = None,
+    direct: ResponseWriter | None = None,
+    what: str = "stream",
+) -> GatewayError | None:
+    """Read an upstream SSE body to its end through `tap` (`first`: its bytes already read),
+    `write` each chunk's output; the error that broke it mid-way (None: it ended properly).
+
+    The one reader of an upstream stream (the relay's, a whole answer's, a resume's): the idle
+    and total deadlines fire in `resp`'s reads (TimeoutError), a broken upstream is told from a
+    shutdown (`live` closing) and from a stream that ended without `[DONE]` or sent an unusable
+    event, and `resp` is released at the end, or closed (the engine aborts) when it did not
+    end; a cancelled read closes it too. After `[DONE]` the body is read to its end (the
+    connection goes back to the pool), and a failure there is none. `direct`: the writer whose
+    lane takes what it can at once from the upstream's own callback (`UpstreamResponse.pipe`),
+    no task woken per chunk; the rest goes through `write`.
+    """
+    if live is not None:
+        live.add(resp)
     broke: GatewayError | None = None
     ended = False  # the replica's body came to its end
     try:
-        if after_first is not None:
-            await after_first()
+        if first:
+            out = tap.feed(first)
+            if out and write is not None:
+                await write(out)
         held: list[BaseException | bytes] = []
-        sink = _sink(tap, writer, held) if writer.lane is not None else None
+        sink = _sink(tap, direct, held) if direct is not None and direct.lane is not None else None
         while tap.broken is None:
             if sink is not None and not tap.done:
                 # the chunks the client can take at once are relayed from the upstream's own
@@ -279,44 +315,45 @@ async def _relay(
                     stuck = held.pop()
                     if isinstance(stuck, BaseException):
                         raise stuck
-                    await writer.write(stuck)
+                    if write is not None:
+                        await write(stuck)
             chunk = await resp.read_chunk()
             if not chunk:
                 ended = True
                 break
             out = tap.feed(chunk)
-            if out:
-                await writer.write(out)
+            if out and write is not None:
+                await write(out)
     except asyncio.CancelledError:  # the client went away: hang up so the engine aborts
         resp.abort()
         raise
     except TimeoutError:
         if not tap.done:
-            broke = UpstreamTimeout("The upstream replica stopped sending mid-stream (timeout)")
+            broke = UpstreamTimeout(f"The upstream replica stopped sending mid-{what} (timeout)")
     except UpstreamBrokenError as exc:
         if not tap.done:
             if live is not None and live.closing:
                 broke = shutting_down()
             else:
-                broke = UpstreamError(f"The upstream replica failed mid-stream ({exc})")
+                broke = UpstreamError(f"The upstream replica failed mid-{what} ({exc})")
     else:
         if tap.broken is not None:
             broke = UpstreamError(f"The upstream replica sent {tap.broken}")
         elif not tap.done:  # ended cleanly at the HTTP level, but not as an SSE stream ends
-            broke = UpstreamError("The upstream replica ended the stream without [DONE]")
+            broke = UpstreamError(f"The upstream replica ended the {what} without [DONE]")
+    finally:
+        if live is not None:
+            live.discard(resp)
     tap.discard()  # an unfinished event is never relayed
     if ended:
         resp.release()
     else:
         resp.abort()
-    if broke is not None and keep_open:
-        return broke
-    await writer.end(sse_error_event(broke) if broke is not None else b"")
     return broke
 
 
 def _sink(
-    tap: StreamTap, writer: ResponseWriter, held: list[BaseException | bytes]
+    tap: Tap, writer: ResponseWriter, held: list[BaseException | bytes]
 ) -> Callable[[bytes], bool]:
     """What `pipe` hands the body bytes to: through the tap, written to the client at once; False
     (stop piping) when they cannot go now (then in `held`, for `send`), at `[DONE]` or a broken

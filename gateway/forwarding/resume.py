@@ -14,7 +14,6 @@ OpenAI-shaped error event (`not_resumable`).
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from dataclasses import dataclass
@@ -26,13 +25,17 @@ from gateway.api.openai import ParsedRequest
 from gateway.api.streams import StreamTap
 from gateway.api.token_tap import IdsTap, Ledger
 from gateway.config import ResumeConfig
-from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
+from gateway.errors import GatewayError, UpstreamTimeout
 from gateway.forwarding.outbound import Forwarded, Links, Outbound
-from gateway.forwarding.relay import Opened, Retryable, attempt_outcome, open_upstream
-from gateway.limits.budgets import shutting_down
+from gateway.forwarding.relay import (
+    Opened,
+    Retryable,
+    attempt_outcome,
+    open_upstream,
+    read_stream,
+)
 from gateway.routing.router import Dispatch, Routing
 from gateway.telemetry.trace import RESUMED
-from gateway.transport.errors import UpstreamBrokenError
 from gateway.transport.response import UpstreamResponse
 from gateway.transport.writer import ResponseWriter
 
@@ -70,6 +73,7 @@ REFUSED = (
     ("presence_penalty", "frequency/presence penalty"),
     ("suffix", "suffix"),
 )
+_REFUSED_KEYS = frozenset(key for key, _ in REFUSED)
 _TRIVIAL: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False, "logprobs": False,
                             "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
                             "tools": [], "response_format": {"type": "text"}}  # fmt: skip
@@ -89,6 +93,8 @@ def refused(req: ParsedRequest) -> str | None:
     if req.kind == "completions" and isinstance(req.prompt, list) and req.prompt \
             and isinstance(req.prompt[0], (str, list)) and len(req.prompt) > 1:  # fmt: skip
         return "a batch of prompts"
+    if _REFUSED_KEYS.isdisjoint(body):  # the usual request: none of them set
+        return _thinking(body)
     for key, why in REFUSED:
         v = body.get(key)
         if v is None or v is False or (key in _TRIVIAL and v == _TRIVIAL[key]):
@@ -96,6 +102,10 @@ def refused(req: ParsedRequest) -> str | None:
         if key == "tools" and body.get("tool_choice") == "none":
             continue
         return why
+    return _thinking(body)
+
+
+def _thinking(body: dict[str, Any]) -> str | None:
     if body.get("chat_template_kwargs", {}).get("enable_thinking") is True:
         return "a reasoning model's thinking"
     return None
@@ -198,6 +208,9 @@ class Reshaper:
     @property
     def done(self) -> bool:
         return self.tap.done
+
+    def discard(self) -> bool:
+        return self.tap.discard()
 
     def feed(self, chunk: bytes) -> bytes:
         whole = self.tap.feed(chunk)
@@ -525,45 +538,14 @@ class Resumer:
         self, opened: Opened, reshaper: Reshaper, writer: ResponseWriter, first_at: list[int]
     ) -> GatewayError | None:
         """The continuation's events, reshaped, to the client; the error that broke it."""
-        resp = opened.resp
-        live = self.gw.live_streams
-        live.add(resp)
-        broke: GatewayError | None = None
-        ended = False
-        try:
-            chunk = opened.first
-            while True:
-                data = reshaper.feed(chunk)
-                if data:
-                    if not first_at[0]:
-                        first_at[0] = time.time_ns()
-                    await writer.write(data)
-                if reshaper.broken is not None or reshaper.done:
-                    break
-                chunk = await resp.read_chunk()
-                if not chunk:
-                    ended = True
-                    break
-        except asyncio.CancelledError:
-            resp.abort()
-            raise
-        except TimeoutError:
-            broke = UpstreamTimeout("The upstream replica stopped sending mid-stream (timeout)")
-        except UpstreamBrokenError as exc:
-            broke = (shutting_down() if live.closing
-                     else UpstreamError(f"The upstream replica failed mid-stream ({exc})"))  # fmt: skip
-        else:
-            if reshaper.broken is not None:
-                broke = UpstreamError(f"The upstream replica sent {reshaper.broken}")
-            elif not reshaper.done:
-                broke = UpstreamError("The upstream replica ended the stream without [DONE]")
-        finally:
-            live.discard(resp)
-        if ended or reshaper.done:
-            resp.release()
-        else:
-            resp.abort()
-        return broke
+
+        async def write(data: bytes) -> None:
+            if not first_at[0]:
+                first_at[0] = time.time_ns()
+            await writer.write(data)
+
+        return await read_stream(opened.resp, reshaper, write, opened.first,
+                                 live=self.gw.live_streams)  # fmt: skip
 
 
 def _usage_of(ledger: Ledger) -> dict[str, Any] | None:

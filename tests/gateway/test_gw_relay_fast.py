@@ -1,5 +1,5 @@
 """The stream relay's fast lane (gateway.http_protocol.BodyWriter + UpstreamResponse.pipe) against
-its plain-ASGI path, and the stream tap's one-loop path against its general one.
+its plain-ASGI path, and the stream taps' one-loop path against their general one.
 
 Under the gateway's own server protocol a streamed chunk goes from the upstream's callback straight
 to the client's socket; under plain uvicorn every chunk is an ASGI message. Both must give the
@@ -22,6 +22,7 @@ import pytest
 from bench.harness import stop_all
 from gateway import create_app, parse_config
 from gateway.api.streams import StreamTap
+from gateway.api.token_tap import IdsTap, Ledger
 from gateway.transport.protocol import BodyWriter, GuardedHttpToolsProtocol
 from tests.gateway.fake_replica import Upstream
 from tests.support import poll_until, start_server
@@ -133,11 +134,18 @@ async def test_a_client_that_stops_reading_stops_the_relay_in_the_fast_lane() ->
         s.close()
 
 
-def _careful(strip: bool) -> StreamTap:
-    class General(StreamTap):  # a subclass takes the general path for every read
-        __slots__ = ()
+class _General(StreamTap):  # declines the one-loop path: every read takes the general one
+    __slots__ = ()
 
-    return General(strip)
+    def _took(self, chunk: bytes, datas: list[bytes]) -> bool:
+        return False
+
+
+class _GeneralIds(IdsTap):
+    __slots__ = ()
+
+    def _took(self, chunk: bytes, datas: list[bytes]) -> bool:
+        return False
 
 
 EVENTS = [
@@ -153,25 +161,45 @@ EVENTS = [
     b'data: {"x": "\xff"}\n\n',
     b": comment\n\n",
     b'data: {"usage":{"x":1},"choices":[{}]}\n\n',
+    b'data: {"error":{"message":"boom"}}\n\n',
+    b'data: {"id":"c1","created":1,"model":"m","prompt_token_ids":[1,2],"choices":[{"index":0,'
+    b'"delta":{"role":"assistant","content":""},"token_ids":[]}]}\n\n',
+    b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"b"},"token_ids":[7]}]}\n\n',
+    b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"c"},"token_ids":[8,9],'
+    b'"finish_reason":"stop"}]}\n\n',
 ]
+_LEDGER = ("prompt_ids", "ids", "text", "chunks", "ids_lost", "finish", "template", "role_sent",
+           "unresumable", "usage")  # fmt: skip
 
 
-def test_one_loop_tap_path_agrees_with_the_general_one() -> None:
+@pytest.mark.parametrize("ids", [False, True], ids=["StreamTap", "IdsTap"])
+def test_one_loop_tap_path_agrees_with_the_general_one(ids: bool) -> None:
     rng = random.Random(7)
     fast_reads = 0
     for _ in range(4000):
         pool = EVENTS[:3] if rng.random() < 0.5 else EVENTS
+        if ids and rng.random() < 0.5:
+            pool = [*EVENTS[:3], *EVENTS[-3:]]
         stream = b"".join(rng.choice(pool) for _ in range(rng.randint(1, 6)))
         cuts = sorted(rng.sample(range(1, len(stream)), min(rng.randint(0, 2), len(stream) - 1)))
         reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
         for strip in (True, False):
-            fast, general = StreamTap(strip), _careful(strip)
+            fast: StreamTap
+            general: StreamTap
+            if ids:
+                fast = IdsTap(strip, Ledger(True, False, True), strip_ids=strip)
+                general = _GeneralIds(strip, Ledger(True, False, True), strip_ids=strip)
+            else:
+                fast, general = StreamTap(strip), _General(strip)
             out_f = b"".join(fast.feed(r) for r in reads)
             out_g = b"".join(general.feed(r) for r in reads)
             assert out_f == out_g, reads
             assert (fast.usage, fast.events, fast.done, fast.broken) == (
                 general.usage, general.events, general.done, general.broken,
             ), reads  # fmt: skip
+            if isinstance(fast, IdsTap) and isinstance(general, IdsTap):
+                a, b = fast.ledger.settle(), general.ledger.settle()
+                assert [getattr(a, k) for k in _LEDGER] == [getattr(b, k) for k in _LEDGER], reads
             fast_reads += sum(1 for r in reads if fast._lf_events(r) is not None)
     assert fast_reads > 300  # the one-loop path did run
 
