@@ -444,18 +444,21 @@ def _answer(raw: bytes) -> tuple[str, list[int], dict[str, Any] | None, list[Any
 
 
 async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) -> None:
-    """Greedy, the replica streaming an answer is killed after N tokens: the client's whole text
-    and token ids equal those of an uninterrupted run of the same request, the answer resumed on
-    the other replica (issue 41); usage counts each token once. Requests after it fail over
-    before their first byte; the index forgets the dead replica."""
-    config = engine.fleet.gateway_config(mode="tokens")
+    """Greedy, the replica streaming an answer is killed after its first token: the client's
+    whole text and token ids equal those of an uninterrupted run of the same request, the answer
+    resumed on the other replica (issue 41); usage counts each token once. Requests after it
+    fail over before their first byte; the index forgets the dead replica."""
+    n = 2048
     prompt = [{"role": "system", "content": doc("dying", 300)}, *HELLO]
-    # the client reads in a thread of its own (on the gateway's event loop its reads waited
-    # behind the relay) and counts tokens, not chunks: a busy API server merges many tokens into
-    # one chunk, and 16 chunks once held all 2,048 tokens; killed at the first token read
-    n, kill_at = 2048, 1
     body = chat(prompt, max_tokens=n, stream=True, ignore_eos=True, temperature=0,
                 return_token_ids=True, stream_options={"include_usage": True})  # fmt: skip
+    # each replica behind a relay of the test's that cuts the stream at its first token read:
+    # a kill timed from the client's reads raced the engine (a busy API server sent the whole
+    # answer before the client's first read, and nothing was left to resume)
+    cuts = [_CutAtFirstToken(m.url) for m in engine.fleet.members]
+    config = engine.fleet.gateway_config(mode="tokens")
+    for rc, cut in zip(config["pools"]["chat"]["replicas"], cuts, strict=True):
+        rc["url"] = await cut.start()
     async with gateway(config) as (gw, app), httpx.AsyncClient(timeout=300) as http:
         res = await through(http, gw.url, chat(prompt))
         home = decision(res)["ranked"][0]
@@ -464,24 +467,15 @@ async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) 
         whole = await http.post(gw.url + "/v1/chat/completions", json=body)
         want_text, want_ids, want_usage, _ = _answer(whole.content)
         assert len(want_ids) == n and want_usage is not None
-        chunks: list[bytes] = []
-
-        def read() -> None:
-            seen = 0
-            with httpx.Client(timeout=300) as client, client.stream(
-                "POST", gw.url + "/v1/chat/completions", json=body,
-                headers={"x-gateway-explain": "1"},
-            ) as stream:  # fmt: skip
-                assert decision(stream)["ranked"][0] == home  # its prefix is there
-                for chunk in stream.iter_bytes():
-                    chunks.append(chunk)
-                    seen += sum(len(m.split(b",")) for m in _TOKEN_IDS.findall(chunk))
-                    if seen >= kill_at and engine.fleet.members[victim].alive():
-                        assert seen < n, "the whole answer came in one read: nothing to resume"
-                        engine.fleet.kill(victim)
-
-        await asyncio.wait_for(asyncio.to_thread(read), 240)
-        text, ids, usage, errors = _answer(b"".join(chunks))
+        killed = cuts[victim].arm(lambda: engine.fleet.kill(victim))
+        headers = {"x-gateway-explain": "1"}
+        async with http.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                               headers=headers) as stream:  # fmt: skip
+            assert decision(stream)["ranked"][0] == home  # its prefix is there
+            got = await stream.aread()
+        await asyncio.wait_for(killed, 60)
+        assert 0 < cuts[victim].relayed_ids < n, cuts[victim].relayed_ids
+        text, ids, usage, errors = _answer(got)
         assert errors == [] and not engine.fleet.members[victim].alive()
         assert ids == want_ids and text == want_text
         assert usage is not None and usage["completion_tokens"] == n == len(ids)
@@ -493,6 +487,73 @@ async def test_a_replica_killed_mid_stream_resumes_on_the_other(engine: Engine) 
         for _ in range(3):  # at rest: the dead replica is skipped or failed over
             res = await through(http, gw.url, chat(prompt))
             assert res.status_code == 200 and decision(res)["ranked"][0] != home
+    for cut in cuts:
+        await cut.close()
+
+
+class _CutAtFirstToken:
+    """A TCP relay in front of one replica, passing bytes both ways as they come. Once armed, at
+    the first read from the replica that holds a generated token id it relays that read, hangs
+    up every connection, closes its port (a connect is refused, as a dead replica's) and kills
+    the replica: the gateway has the answer's first tokens and no more, whatever the timing."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.host, self.port = host, int(port)
+        self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.kill: Any = None
+        self.killed: asyncio.Future[None] | None = None
+        self.relayed_ids = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def arm(self, kill: Any) -> asyncio.Future[None]:
+        self.kill, self.killed = kill, asyncio.get_running_loop().create_future()
+        return self.killed
+
+    async def _serve(self, down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(self.host, self.port)
+        except OSError:
+            down_w.transport.abort()
+            return
+        self.writers |= {down_w, up_w}
+        await asyncio.gather(self._pipe(down_r, up_w, False), self._pipe(up_r, down_w, True),
+                             return_exceptions=True)  # fmt: skip
+        for w in (down_w, up_w):
+            self.writers.discard(w)
+            w.transport.abort()
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, up: bool) -> None:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+            if up and self.kill is not None and (ids := _TOKEN_IDS.findall(data)):
+                self.relayed_ids = sum(len(m.split(b",")) for m in ids)
+                await self._cut(w)
+                return
+        if w.can_write_eof():
+            w.write_eof()
+
+    async def _cut(self, down: asyncio.StreamWriter) -> None:
+        kill, self.kill = self.kill, None
+        assert self.server is not None and self.killed is not None
+        self.server.close()
+        self.writers.discard(down)
+        for w in list(self.writers):
+            w.transport.abort()
+        down.close()  # what it relayed reaches the gateway, then the connection ends
+        await asyncio.to_thread(kill)
+        self.killed.set_result(None)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for w in list(self.writers):
+            w.transport.abort()
 
 
 _TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9,]+)\]')  # a chunk's new ids (not the prompt's)
