@@ -22,7 +22,6 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from gateway.telemetry.trace import (
-    _ORDER,
     ATTRIBUTES,
     ROOT_SPAN,
     SPAN_KINDS,
@@ -30,7 +29,10 @@ from gateway.telemetry.trace import (
     RequestTrace,
     _getrandbits,
     attempt_spans,
+    derived_times,
     group_of,
+    segment_times,
+    server_error,
 )
 
 __all__ = ["SpanEncoder", "encode_resource", "export_request"]
@@ -215,11 +217,7 @@ class SpanEncoder:
         names = self._child_name
         start = prev = rt.start_ns
         shapes = self._segment
-        for name, seg in zip(_ORDER, segs):  # noqa: B905 - both have six
-            if seg is None:
-                continue
-            s = seg[0] if seg[0] > prev else prev
-            prev = seg[1] if seg[1] > s else s
+        for name, s, prev in segment_times(segs, start):
             sid = (_getrandbits(64) or 1).to_bytes(8, "big")
             if route_attrs and name == "gateway.route":  # the route receipt's attributes
                 kind, block = names[name], self.attributes(route_attrs)
@@ -243,15 +241,13 @@ class SpanEncoder:
                 more(vb)
             else:
                 more(self._pair(item))
-        prefill, decode = segs[3] or segs[2], segs[4]  # P/D: the first token ends kv.transfer
-        if prefill is not None:
+        ttft, tpot = derived_times(segs, start, measured.get(_OUTPUT, group.get(_OUTPUT)))
+        if ttft is not None:
             more(self._ttft_kv)
-            more(_DOUBLE((max(prefill[1], start) - start) / 1e9))
-        if decode is not None:
-            tokens = measured.get(_OUTPUT, group.get(_OUTPUT))
-            if isinstance(tokens, int) and tokens > 1:
-                more(self._tpot_kv)
-                more(_DOUBLE(max(decode[1] - decode[0], 0) / 1e9 / (tokens - 1)))
+            more(_DOUBLE(ttft))
+        if tpot is not None:
+            more(self._tpot_kv)
+            more(_DOUBLE(tpot))
         end = max(end_ns, prev)
         if attempts:
             children: list[Child] = []
@@ -264,14 +260,11 @@ class SpanEncoder:
                 n = base + len(kind) + len(block) + len(tail)
                 add((_LEN_SPAN[n] if n < 1024 else b"\x12" + _varint(n), pre,
                      span_id.to_bytes(8, "big"), mid, kind, _TIMES(0x39, s, 0x41, e), block, tail))  # fmt: skip
-        status = measured.get(_STATUS, group.get(_STATUS))
         root_status = _STATUS_UNSET
-        if error_type is None and isinstance(status, int) and status >= 500:
-            error_type = str(status)  # HTTP semantic conventions: a 5xx fails a server span
+        error_type, failed = server_error(measured.get(_STATUS, group.get(_STATUS)), error_type)
         if error_type is not None:
             more(self._pair((_ERROR_TYPE, error_type)))
-            # ... and a 4xx answered leaves a server span's status unset (the client's error)
-            if not (isinstance(status, int) and 400 <= status < 500):
+            if failed:
                 root_status = _status_error(error_type)
         parent = rt.parent
         root = (

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -197,6 +197,42 @@ SEGMENTS = (
 # a disaggregated pool's request (gateway/forwarding/pd.py) also has kv.transfer: its prefill leg answered
 # (upstream.prefill) → the decode replica's first byte; the order segments are built in
 _ORDER = (*SEGMENTS[:3], "kv.transfer", *SEGMENTS[3:])
+
+
+def segment_times(
+    segs: tuple[tuple[int, int] | None, ...], start_ns: int
+) -> Iterator[tuple[str, int, int]]:
+    """The segments given, in order, as (name, start, end): each moved up to the previous one's
+    end (from `start_ns`), so they never overlap."""
+    prev = start_ns
+    for name, seg in zip(_ORDER, segs):  # noqa: B905 - both have six
+        if seg is not None:
+            s = seg[0] if seg[0] > prev else prev
+            prev = seg[1] if seg[1] > s else s
+            yield name, s, prev
+
+
+def derived_times(
+    segs: tuple[tuple[int, int] | None, ...], start_ns: int, output_tokens: Any
+) -> tuple[float | None, float | None]:
+    """(gateway.ttft_s, gateway.tpot_s) the segments give: TTFT from `prefill` (P/D: the first
+    token ends kv.transfer), TPOT from `decode` over more than one output token."""
+    prefill, decode = segs[3] or segs[2], segs[4]
+    ttft = None if prefill is None else (max(prefill[1], start_ns) - start_ns) / 1e9
+    tpot = None
+    if decode is not None and isinstance(output_tokens, int) and output_tokens > 1:
+        tpot = max(decode[1] - decode[0], 0) / 1e9 / (output_tokens - 1)
+    return ttft, tpot
+
+
+def server_error(status: Any, error_type: str | None) -> tuple[str | None, bool]:
+    """(error.type, whether the server span's status is an error), the HTTP semantic
+    conventions: a 5xx is an error, its code the type; a 4xx answered leaves the status unset
+    (the client's error)."""
+    if error_type is None and isinstance(status, int) and status >= 500:
+        error_type = str(status)
+    failed = error_type is not None and not (isinstance(status, int) and 400 <= status < 500)
+    return error_type, failed
 SPAN_KINDS: dict[str, str] = {
     ROOT_SPAN: "SERVER",
     **dict.fromkeys(_ORDER, "INTERNAL"),
@@ -468,32 +504,22 @@ class RequestTrace:
             values.update(measured)
         children = self.segments
         start = prev = self.start_ns
-        for name, seg in zip(_ORDER, segs):  # noqa: B905 - both have six
-            if seg is not None:
-                s = seg[0] if seg[0] > prev else prev
-                prev = seg[1] if seg[1] > s else s
-                attrs = route_attrs if name == "gateway.route" else _EMPTY
-                children.append((name, _getrandbits(64) or 1, s, prev, attrs, None))
-        prefill, decode = segs[3] or segs[2], segs[4]  # P/D: the first token ends kv.transfer
-        if prefill is not None and _TTFT not in values:
-            values[_TTFT] = (max(prefill[1], start) - start) / 1e9
-        if decode is not None and _TPOT not in values:
-            out = values.get(_OUTPUT)
-            if isinstance(out, int) and out > 1:
-                values[_TPOT] = max(decode[1] - decode[0], 0) / 1e9 / (out - 1)
+        for name, s, prev in segment_times(segs, start):
+            attrs = route_attrs if name == "gateway.route" else _EMPTY
+            children.append((name, _getrandbits(64) or 1, s, prev, attrs, None))
+        ttft, tpot = derived_times(segs, start, values.get(_OUTPUT))
+        if ttft is not None and _TTFT not in values:
+            values[_TTFT] = ttft
+        if tpot is not None and _TPOT not in values:
+            values[_TPOT] = tpot
         end = max(end_ns, prev)
         if attempts:
             attempt_spans(children, attempts, values, self._offset, start, prev, end)
-        status = values.get(_STATUS)
-        if error_type is None:
-            # HTTP semantic conventions: a 5xx is an error of a server span, error.type its code
-            if isinstance(status, int) and status >= 500:
-                error_type = str(status)
+        error_type, failed = server_error(values.get(_STATUS), error_type)
         if error_type is not None:
             values[_ERROR_TYPE] = error_type
             values.setdefault(_OUTCOME, "error")
-            # ... and a 4xx answered leaves a server span's status unset (the client's error)
-            if not (isinstance(status, int) and 400 <= status < 500):
+            if failed:
                 self.error = error_type
         else:
             values.setdefault(_OUTCOME, "ok")
