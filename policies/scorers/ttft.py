@@ -1,28 +1,40 @@
 """TTFT scorer: the replica expected to produce the first token soonest, learned per replica.
 
-    uncached = max(0, prompt_tokens - hit_blocks * tokens_per_block)
+    uncached = max(0, prompt_tokens - hit_blocks * tokens_per_block * kept)
     queued   = inflight_prompt_tokens        (uncached tokens the gateway sent, not yet prefilled)
     ttft     = a + b * uncached + c * queued (+ hold_s * kv_waits, below)           (seconds)
                (opt-in: + d * load + kv_s * k / (1 - k))
-    cost     = ttft (opt-in: + recompute * b * (prefix tokens another candidate holds, this one
-               does not) * (1 + load), the last factor with recompute_load: true; with
-               recompute_load: fleet * (1 + the candidates' mean load))
+    cost     = ttft + recompute * b * redo * (1 + the candidates' mean load)
+               (redo: the prefix tokens another candidate holds that this one would recompute)
     score    = min_cost / cost               (1.0 for the cheapest candidate)
 
-The opt-in terms (`load_s`, `kv_s`, `recompute`, all 0 by default; issue 43 item 2) did not beat
-the score without them on real vLLM (bench/engine_routing.py, docs/benchmarks.md) nor in the
-simulator's routing bench; the default already breaks its near ties by the engine's load.
-`load` is the requests ahead on the engine (`ReplicaView.load`: the fresh scrape's running +
-waiting, or the gateway's own in-flight count when higher or when the scrape is stale): a
-request that only decodes still slows every step a new prefill runs in. `d` is learned for the
-pool from the fit's residuals, pulled toward `load_s` (0: off). `k` is the engine's KV use from
-a fresh scrape; a replica without one is priced as the fullest known (unknown is not idle).
-`recompute` prices the prefill the fleet redoes when a request leaves the replica holding most
-of its prefix (issue 43: the latency-only score kept fewer prefixes than sglang-router by
-recomputing what a loaded replica held); `predict` is the TTFT alone. With `recompute_load:
-fleet` it kept sglang-router's hit ratio on real vLLM under overload, with TTFT better than the
-default's on the chats and worse on prefix_repetition and the trace (docs/benchmarks.md), so it
-stays opt-in.
+`recompute` (1 by default) prices the prefill the fleet redoes when a request leaves the replica
+holding most of its prefix; `predict` is the TTFT alone. By default (`recompute_load: fleet`)
+it is priced once, and once more for each request in flight per replica of the fleet: a
+saturated fleet of n replicas is one server, and the prefill it redoes delays each request it
+holds by 1/n of it. `recompute_load: true` prices it by the load of the replica that would redo
+it instead, `false` once; `recompute: 0` is the latency-only score, which was the default until
+issue 43: on real vLLM under overload it kept fewer shared prefixes than sglang-router by
+recomputing what a loaded replica held (engine hit 0.41 vs 0.47 on vLLM's prefix_repetition), and
+the fleet's extra prefill came back as queueing (bench/engine_routing.py, docs/benchmarks.md).
+
+`kept` is the share of this replica's predicted hits its engine reported reusing
+(`usage.prompt_tokens_details.cached_tokens`, the route receipt's two numbers): a decayed mean
+over the requests that expected a hit, pulled toward 1 with `prior_weight` requests' weight; 1
+while the engine reports nothing. Where the index lists blocks the engine no longer has (an
+engine whose KV is smaller than it reported or configured, a cache reset the gateway did not
+see), a score that believed them would keep sending work to the replica that "holds" it; the
+receipts correct it. The fit learns from the prefill the engine did (the prompt less what it
+reported reusing) where it reported.
+
+The other opt-in terms (`load_s`, `kv_s`, 0 by default) did not beat the score without them on
+real vLLM (docs/benchmarks.md) nor in the simulator's routing bench; the default already breaks
+its near ties by the engine's load. `load` is the requests ahead on the engine
+(`ReplicaView.load`: the fresh scrape's running + waiting, or the gateway's own in-flight count
+when higher or when the scrape is stale): a request that only decodes still slows every step a
+new prefill runs in. `d` is learned for the pool from the fit's residuals, pulled toward
+`load_s` (0: off). `k` is the engine's KV use from a fresh scrape; a replica without one is
+priced as the fullest known (unknown is not idle).
 
 a, b, c are fitted per replica from Outcomes by exponentially weighted ridge least squares,
 pulled toward the prior a = base_s, b = 1 / prefill_tokens_per_s and c = b: a queued token is
@@ -75,7 +87,7 @@ tiers 3 to 11 times too slow (docs/tiers.md).
 
     scorers:
       ttft: {weight: 1, prefill_tokens_per_s: 8000, base_s: 0.05, prior_weight: 4, decay: 0.99,
-             load_s: 0, kv_s: 0, recompute: 0, recompute_load: true,
+             load_s: 0, kv_s: 0, recompute: 1, recompute_load: fleet,
              lora_load_s: 0.3, tiers: seconds, kv_bytes_per_token: 131072,
              tier_gbps: {cpu: 50, disk: 7, shared: 12.5}, learn_tiers: false}
 """
@@ -175,6 +187,32 @@ class _Hold:
         self.s = max(0.0, self.nr / (self.nn + self.prior))
 
 
+class _Kept:
+    """Per replica, the share of the predicted prefix hit its engine reported reusing (the
+    route receipt's two numbers): a decayed mean of min(1, reused / predicted) over requests
+    that expected a hit, pulled toward 1 (trusted) with `prior` requests' weight."""
+
+    __slots__ = ("sums", "prior", "decay", "share")
+
+    def __init__(self, prior: float, decay: float) -> None:
+        self.sums: dict[str, tuple[float, float]] = {}
+        self.share: dict[str, float] = {}  # replica -> kept share now; absent: 1 (trusted)
+        self.prior, self.decay = prior, decay
+
+    def learn(self, replica: str, predicted: int, reused: int) -> None:
+        if predicted <= 0:
+            return
+        if replica not in self.sums and len(self.sums) >= _MAX_REPLICAS:
+            self.sums.clear()
+            self.share.clear()
+        got, n = self.sums.get(replica, (0.0, 0.0))
+        d = self.decay
+        got = d * got + min(1.0, max(0, reused) / predicted)
+        n = d * n + 1.0
+        self.sums[replica] = (got, n)
+        self.share[replica] = (got + self.prior) / (n + self.prior)
+
+
 class TTFTScorer(Scorer):
     name = "ttft"
     needs_prefix = True  # the uncached part of the prompt is what a replica must prefill
@@ -195,8 +233,8 @@ class TTFTScorer(Scorer):
         learn_tiers: bool = False,
         load_s: float = 0.0,
         kv_s: float = 0.0,
-        recompute: float = 0.0,
-        recompute_load: bool | str = True,
+        recompute: float = 1.0,
+        recompute_load: bool | str = "fleet",
     ) -> None:
         if not prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s!r}")
@@ -247,6 +285,9 @@ class TTFTScorer(Scorer):
         self.kv_s = float(kv_s)
         self.recompute = float(recompute)
         self.recompute_load = recompute_load
+        # per replica, the share of predicted hits its engine reported reusing: a prediction the
+        # engine keeps missing (its LRU evicted what the index still lists) is credited less
+        self.kept = _Kept(float(prior_weight), float(decay))
 
     def coefficients(self, replica: str) -> tuple[float, float, float]:
         """(a seconds, b seconds per uncached token, c seconds per queued token) for a replica."""
@@ -263,7 +304,8 @@ class TTFTScorer(Scorer):
     def predict(self, req: RoutedRequest, view: ReplicaView) -> float:
         """Predicted TTFT in seconds if `req` went to `view`."""
         a, b, c = self._coef.get(view.name, self._pooled)
-        uncached = max(0.0, req.prompt_tokens - view.hit_blocks * req.tokens_per_block)
+        hit = view.hit_blocks * req.tokens_per_block * self.kept.share.get(view.name, 1.0)
+        uncached = max(0.0, req.prompt_tokens - hit)
         load = 0.0
         if view.tier_hits and self.tiers != "off":
             measured = view.tier_load_rates
@@ -284,18 +326,19 @@ class TTFTScorer(Scorer):
         prompt, tpb, hold = req.prompt_tokens, req.tokens_per_block, self.hold.s
         pred: dict[str, float] = {}
         d, kv_s, rho = self._load.d, self.kv_s, self.recompute
-        holds: dict[str, int] = {}
-        held = 0
-        if rho:  # the opt-in terms cost nothing on the hot path when off (the default)
+        kept = self.kept.share
+        holds: dict[str, float] = {}
+        held = 0.0
+        if rho:  # the prefill the fleet would redo (recompute: 0 skips this)
             tiered = self.tiers != "off"
-            holds = {v.name: v.hit_blocks + (sum(v.tier_hits.values()) if v.tier_hits and tiered
-                                             else 0) for v in views}  # fmt: skip
+            holds = {v.name: v.hit_blocks * kept.get(v.name, 1.0) + (
+                sum(v.tier_hits.values()) if v.tier_hits and tiered else 0) for v in views}  # fmt: skip
             held = max(holds.values(), default=0)
             # the factor the recompute is priced at: 1 (flat), 1 + the target's load (true), or
             # ("fleet") 1 + the mean load of the candidates: a saturated fleet of n replicas is
             # one server, and the prefill it redoes delays each request it holds by 1/n of it
             fleet = 0.0
-            if self.recompute_load == "fleet" and views:
+            if held and self.recompute_load == "fleet":
                 fleet = 1 + sum(v.load for v in views) / len(views)
         worst = None
         if kv_s:  # a replica whose KV use is unknown now (no fresh scrape) counts as the fullest
@@ -303,7 +346,7 @@ class TTFTScorer(Scorer):
             worst = max(known) if known else None
         for v in views:
             a, b, c = coef.get(v.name, prior)
-            uncached = prompt - v.hit_blocks * tpb
+            uncached = prompt - v.hit_blocks * tpb * kept.get(v.name, 1.0)
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
             if hold and v.kv_tokens is not None:
                 t += hold * v.kv_waits(prompt)
@@ -376,7 +419,14 @@ class TTFTScorer(Scorer):
                 self._coef.pop(oldest, None)
                 self._tier_rates.forget(oldest)
             fit = self._fits[outcome.replica] = _Fit()
-        u = max(0, outcome.prompt_tokens - outcome.predicted_hit_tokens) / _KTOK
+        cached = outcome.credited_cached_tokens()
+        if cached is not None and not outcome.tier_tokens:
+            # the engine said what it reused: the share of the prediction it kept, and the fit
+            # learns from the prefill it did
+            self.kept.learn(outcome.replica, outcome.predicted_hit_tokens, cached)
+            u = max(0, outcome.prompt_tokens - cached) / _KTOK
+        else:
+            u = max(0, outcome.prompt_tokens - outcome.predicted_hit_tokens) / _KTOK
         q = max(0, outcome.queued_prompt_tokens_at_dispatch) / _KTOK
         a, b, c = self._coef.get(outcome.replica, self._pooled)
         tiers = outcome.tier_tokens if self.tiers == "seconds" else None

@@ -54,7 +54,7 @@ def test_ttft_prices_recomputing_what_another_replica_holds() -> None:
     plain = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=0).score(REQ, views)
     assert max(plain, key=plain.__getitem__) == "b"
     # the recompute delays the requests ahead on the replica that does it: once more for each
-    busy = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1)
+    busy = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1, recompute_load=True)
     loaded = [views[0], ReplicaView("b", hit_blocks=5, inflight=3)]  # 0.6 + 0.5 x (1 + 3)
     assert busy.score(REQ, loaded)["b"] == pytest.approx(1.0 / 2.6)
 
@@ -70,7 +70,8 @@ def test_ttft_prices_recompute_by_the_fleets_load() -> None:
     busy = ReplicaView("a", hit_blocks=10, inflight_prompt_tokens=900, inflight=6)
     # b is idle, but the fleet holds 6 requests, 3 a replica: 0.6 + 0.5 x (1 + 3)
     assert scorer.score(REQ, [busy, idle]) == pytest.approx({"a": 1.0, "b": 1.0 / 2.6})
-    target = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1)  # b's load only
+    target = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=1,
+                        recompute_load=True)  # b's load only  # fmt: skip
     assert max(target.score(REQ, [busy, idle]).values()) == 1.0
     assert target.score(REQ, [busy, idle])["b"] == pytest.approx(1.0 / 1.1)
     with pytest.raises(ValueError, match="recompute_load"):
@@ -232,3 +233,33 @@ def test_policy_shares_only_what_its_learners_share() -> None:
     shared = ttft.share()
     assert set(shared) == {"ttft"} and set(shared["ttft"]) == {"r0"}
     assert build_policy("round_robin", seed=0).share() == {}
+
+
+def test_ttft_credits_a_replicas_predicted_hits_as_far_as_its_engine_reused_them() -> None:
+    """Route receipts feed the score: a replica whose engine keeps reporting that it reused
+    none of the predicted prefix (its LRU evicted what the index still lists: long answers fill
+    its KV) has its predicted hits credited less; one whose engine reused them all stays
+    trusted; an engine that reports nothing changes nothing. Each TTFT is what the prior
+    predicts for the prefill the engine did (0.1 s + 1 ms a token)."""
+    scorer = TTFTScorer(prefill_tokens_per_s=1000, base_s=0.1, recompute=0)
+    stale, kept, silent = (ReplicaView(n, hit_blocks=10) for n in ("stale", "kept", "silent"))
+    before = {v.name: scorer.predict(REQ, v) for v in (stale, kept, silent)}
+    assert before == pytest.approx({"stale": 0.1, "kept": 0.1, "silent": 0.1})
+    for _ in range(30):
+        scorer.observe(Outcome("stale", 1000, 1000, 0, 0, 1.0, cached_tokens=0,
+                               tokens_per_block=100.0))  # fmt: skip
+        scorer.observe(Outcome("kept", 1000, 1000, 0, 0, 0.2, cached_tokens=900,
+                               tokens_per_block=100.0))  # fmt: skip
+        scorer.observe(Outcome("silent", 1000, 1000, 0, 0, 0.1, tokens_per_block=100.0))
+    assert scorer.kept.share["kept"] == pytest.approx(1.0)  # 900 + the last block, never reported
+    assert scorer.kept.share["stale"] < 0.3  # the last block is credited: 0.1 a request
+    assert "silent" not in scorer.kept.share
+    after = {v.name: scorer.predict(REQ, v) for v in (stale, kept, silent)}
+    assert after["stale"] > 0.7 and after["kept"] < 0.25 and after["silent"] < 0.15, after
+    views = [stale, ReplicaView("idle"), kept]
+    assert scorer.score(REQ, views)["stale"] == pytest.approx(after["kept"] / after["stale"])
+    # the engine starts reusing again: trust comes back
+    for _ in range(60):
+        scorer.observe(Outcome("stale", 1000, 1000, 0, 0, 0.2, cached_tokens=900,
+                               tokens_per_block=100.0))  # fmt: skip
+    assert scorer.kept.share["stale"] > 0.6
