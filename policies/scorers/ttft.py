@@ -24,7 +24,7 @@ over the requests that expected a hit, pulled toward 1 with `prior_weight` reque
 while the engine reports nothing. Where the index lists blocks the engine no longer has (an
 engine whose KV is smaller than it reported or configured, a cache reset the gateway did not
 see), a score that believed them would keep sending work to the replica that "holds" it; the
-receipts correct it. The fit learns from the prefill the engine did (the prompt less what it
+receipts correct it (each gateway of a fleet learns it from the answers it relays). The fit learns from the prefill the engine did (the prompt less what it
 reported reusing) where it reported.
 
 The other opt-in terms (`load_s`, `kv_s`, 0 by default) did not beat the score without them on
