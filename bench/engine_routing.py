@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.engine.client import Client, Result
 from bench.engine.fleet import EngineFleet, engine_python, prefix_counters, reset_prefix_cache
 from bench.engine.model import make_model_dir
@@ -68,11 +70,11 @@ def receipts(url: str) -> dict[str, int]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as res:
         text = res.read().decode()
     out = dict.fromkeys(VERDICTS, 0)
-    for line in text.splitlines():
-        if line.startswith("gateway_route_receipts_total{"):
-            labels, value = line.rsplit(" ", 1)
-            verdict = labels.split('verdict="', 1)[1].split('"', 1)[0]
-            out[verdict] = out.get(verdict, 0) + int(float(value))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "gateway_route_receipts_total":
+                verdict = sample.labels["verdict"]
+                out[verdict] = out.get(verdict, 0) + int(sample.value)
     return out
 
 

@@ -327,26 +327,29 @@ class TTFTScorer(Scorer):
         pred: dict[str, float] = {}
         d, kv_s, rho = self._load.d, self.kv_s, self.recompute
         kept = self.kept.share
-        holds: dict[str, float] = {}
-        held = 0.0
+        # each candidate's predicted GPU hit in blocks, credited as far as its engine kept them
+        hits = [v.hit_blocks * kept[v.name] if v.name in kept else v.hit_blocks for v in views]
+        holds, held, fleet = hits, 0.0, 1.0
         if rho:  # the prefill the fleet would redo (recompute: 0 skips this)
-            tiered = self.tiers != "off"
-            holds = {v.name: v.hit_blocks * kept.get(v.name, 1.0) + (
-                sum(v.tier_hits.values()) if v.tier_hits and tiered else 0) for v in views}  # fmt: skip
-            held = max(holds.values(), default=0)
+            if self.tiers != "off" and any(v.tier_hits for v in views):
+                holds = [h + sum(v.tier_hits.values()) if v.tier_hits else h
+                         for v, h in zip(views, hits, strict=True)]  # fmt: skip
+            held = max(holds, default=0.0)
             # the factor the recompute is priced at: 1 (flat), 1 + the target's load (true), or
             # ("fleet") 1 + the mean load of the candidates: a saturated fleet of n replicas is
             # one server, and the prefill it redoes delays each request it holds by 1/n of it
-            fleet = 0.0
             if held and self.recompute_load == "fleet":
                 fleet = 1 + sum(v.load for v in views) / len(views)
+        by = self.recompute_load
+        scale = rho * fleet if by == "fleet" else rho  # x (1 + the target's load) when by is True
+        most = prompt if held * tpb > prompt else held * tpb  # the prefix tokens the best holds
         worst = None
         if kv_s:  # a replica whose KV use is unknown now (no fresh scrape) counts as the fullest
             known = [v.kv_usage for v in views if v.kv_usage is not None]
             worst = max(known) if known else None
-        for v in views:
+        for v, hit, mine in zip(views, hits, holds, strict=True):
             a, b, c = coef.get(v.name, prior)
-            uncached = prompt - v.hit_blocks * tpb * kept.get(v.name, 1.0)
+            uncached = prompt - hit * tpb
             t = a + b * (uncached if uncached > 0 else 0.0) + c * v.inflight_prompt_tokens
             if hold and v.kv_tokens is not None:
                 t += hold * v.kv_waits(prompt)
@@ -354,12 +357,9 @@ class TTFTScorer(Scorer):
                 t += d * v.load
             if worst is not None:
                 t += kv_s * _pressure(worst if v.kv_usage is None else v.kv_usage)
-            if rho and held > (mine := holds[v.name]):  # the fleet recomputes what another holds
-                redo = b * (min(prompt, held * tpb) - min(prompt, mine * tpb))
-                # once, and once more for each request it delays there (queued, or decoding
-                # through the steps the prefill takes)
-                by = self.recompute_load
-                t += rho * redo * (fleet if by == "fleet" else 1 + v.load if by else 1)
+            if held > mine:  # the fleet recomputes what another holds (held is 0 with rho 0)
+                redo = b * (most - (prompt if mine * tpb > prompt else mine * tpb))
+                t += redo * (scale * (1 + v.load) if by is True else scale)
             if v.tier_hits and self.tiers != "off":
                 measured = v.tier_load_rates
                 if measured is not None and seen.get(v.name) is not measured:
