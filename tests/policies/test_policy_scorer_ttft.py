@@ -263,3 +263,21 @@ def test_ttft_credits_a_replicas_predicted_hits_as_far_as_its_engine_reused_them
         scorer.observe(Outcome("stale", 1000, 1000, 0, 0, 0.2, cached_tokens=900,
                                tokens_per_block=100.0))  # fmt: skip
     assert scorer.kept.share["stale"] > 0.6
+
+
+def test_the_default_policy_keeps_a_repeat_on_its_holder_while_the_fleet_is_busy() -> None:
+    """The shipped `ttft` preset prices the fleet's recompute by its load (issue 43): a repeat
+    whose holder has a short queue stays there while the fleet is busy, and moves to an idle
+    replica when the fleet is idle; the latency-only score (`recompute: 0`) moves it always."""
+    default = build_policy("ttft", seed=0)
+    latency = build_policy({"scorers": {"ttft": {"weight": 1, "recompute": 0}},
+                            "picker": "max_score", "guard": False}, seed=0)  # fmt: skip
+    # at the prior's 8000 tokens a second: the holder's 3000 queued tokens cost 0.375 s, the
+    # idle replica's prefill of the 900 the holder holds 0.11 s, and the fleet pays that once
+    # and once more per request in flight per replica (x 7 with 6 on each)
+    def views(inflight: int) -> list[ReplicaView]:
+        return [ReplicaView("holder", hit_blocks=9, inflight_prompt_tokens=3000, inflight=inflight),
+                ReplicaView("idle", inflight=inflight)]  # fmt: skip
+    assert default.choose(REQ, views(6)).ranked[0] == "holder"
+    assert default.choose(REQ, views(0)).ranked[0] == "idle"
+    assert latency.choose(REQ, views(6)).ranked[0] == "idle"
