@@ -233,6 +233,8 @@ def server_error(status: Any, error_type: str | None) -> tuple[str | None, bool]
         error_type = str(status)
     failed = error_type is not None and not (isinstance(status, int) and 400 <= status < 500)
     return error_type, failed
+
+
 SPAN_KINDS: dict[str, str] = {
     ROOT_SPAN: "SERVER",
     **dict.fromkeys(_ORDER, "INTERNAL"),

@@ -419,14 +419,14 @@ class TTFTScorer(Scorer):
                 self._coef.pop(oldest, None)
                 self._tier_rates.forget(oldest)
             fit = self._fits[outcome.replica] = _Fit()
-        cached = outcome.credited_cached_tokens()
-        if cached is not None and not outcome.tier_tokens:
+        reused = outcome.credited_cached_tokens()
+        if reused is not None and not outcome.tier_tokens:
             # the engine said what it reused: the share of the prediction it kept, and the fit
             # learns from the prefill it did
-            self.kept.learn(outcome.replica, outcome.predicted_hit_tokens, cached)
-            u = max(0, outcome.prompt_tokens - cached) / _KTOK
+            self.kept.learn(outcome.replica, outcome.predicted_hit_tokens, reused)
         else:
-            u = max(0, outcome.prompt_tokens - outcome.predicted_hit_tokens) / _KTOK
+            reused = outcome.predicted_hit_tokens
+        u = max(0, outcome.prompt_tokens - reused) / _KTOK
         q = max(0, outcome.queued_prompt_tokens_at_dispatch) / _KTOK
         a, b, c = self._coef.get(outcome.replica, self._pooled)
         tiers = outcome.tier_tokens if self.tiers == "seconds" else None
